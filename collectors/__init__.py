@@ -1,0 +1,1 @@
+"""kvtrace.collectors: OTLP receivers, trace assembly, TTFT attribution, store and forwarding."""

@@ -1,0 +1,1 @@
+"""kvtrace.dashboard: the Streamlit stage-breakdown dashboard. Not yet built."""

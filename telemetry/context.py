@@ -1,0 +1,97 @@
+"""W3C trace context as kvtrace carries it: a small immutable reference, cheap to pass around.
+
+The router starts (or continues) a trace and hands a ``traceparent`` to both engines through
+``kv_transfer_params``; engines pass it on to their workers and threads. Everything on the
+hot path holds a :class:`TraceRef`, never an OpenTelemetry ``Context``: it is a tuple, so
+creating, storing and pickling it costs next to nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from typing import NamedTuple
+
+_TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_SAMPLED_FLAG = 0x01
+
+# One generator per process, reseeded after fork so parent and child never share ids.
+_ids = random.Random(os.urandom(16))
+os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
+class TraceRef(NamedTuple):
+    """Where a span belongs: its trace, its parent span, and whether the trace is sampled."""
+
+    trace_id: int
+    span_id: int
+    sampled: bool = True
+
+    @property
+    def traceparent(self) -> str:
+        return format_traceparent(self)
+
+    def child(self, span_id: int | None = None) -> "TraceRef":
+        """A reference to a new span under this one (used to parent further spans)."""
+        return TraceRef(self.trace_id, span_id or new_span_id(), self.sampled)
+
+
+def new_trace_id() -> int:
+    return _ids.getrandbits(128) or 1
+
+
+def new_span_id() -> int:
+    return _ids.getrandbits(64) or 1
+
+
+def parse_traceparent(value: str | None) -> TraceRef | None:
+    """Parse a W3C ``traceparent`` header; ``None`` for a missing or invalid one (per spec)."""
+    if not value:
+        return None
+    match = _TRACEPARENT_RE.match(value.strip().lower())
+    if match is None:
+        return None
+    version, trace_hex, span_hex, flags_hex = match.groups()
+    if version == "ff":
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if trace_id == 0 or span_id == 0:
+        return None
+    return TraceRef(trace_id, span_id, bool(int(flags_hex, 16) & _SAMPLED_FLAG))
+
+
+def format_traceparent(ref: TraceRef) -> str:
+    flags = _SAMPLED_FLAG if ref.sampled else 0
+    return f"00-{ref.trace_id:032x}-{ref.span_id:016x}-{flags:02x}"
+
+
+class Sampler:
+    """Head sampling as ``OTEL_TRACES_SAMPLER`` names it, decided once where a trace starts.
+
+    Ratio decisions use the low 64 bits of the trace id, like the SDK's ``TraceIdRatioBased``,
+    so every process that sees the same trace id with no parent decides the same way.
+    """
+
+    __slots__ = ("name", "ratio", "_parent_based", "_bound")
+
+    def __init__(self, name: str = "parentbased_always_on", ratio: float = 1.0) -> None:
+        self.name = name
+        self.ratio = ratio
+        self._parent_based = name.startswith("parentbased_")
+        root = name.removeprefix("parentbased_")
+        self._bound = {
+            "always_on": 1 << 64,
+            "always_off": 0,
+            "traceidratio": round(ratio * (1 << 64)),
+        }[root]
+
+    def should_sample(self, trace_id: int, parent: TraceRef | None = None) -> bool:
+        if parent is not None and self._parent_based:
+            return parent.sampled
+        return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < self._bound
+
+    def start(self, parent: TraceRef | None = None) -> TraceRef:
+        """A reference for a new root-or-child span, honouring the parent's trace if any."""
+        trace_id = parent.trace_id if parent is not None else new_trace_id()
+        return TraceRef(trace_id, new_span_id(), self.should_sample(trace_id, parent))

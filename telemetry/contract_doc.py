@@ -1,0 +1,63 @@
+"""Render the span contract in :mod:`semconv` as Markdown (``kvtrace contract``, docs/CONTRACT.md)."""
+
+from __future__ import annotations
+
+import inspect
+
+from . import semconv
+
+
+def _constants(prefix: str) -> list[tuple[str, str]]:
+    """(value, docstring) of every ``prefix*`` constant in semconv, in source order."""
+    source = inspect.getsource(semconv)
+    rows = []
+    for name, value in vars(semconv).items():
+        if not name.startswith(prefix) or not isinstance(value, str):
+            continue
+        marker = f"{name}: Final = "
+        doc = ""
+        start = source.find(marker)
+        if start >= 0:
+            tail = source[start:].split("\n", 2)
+            if len(tail) > 1 and tail[1].strip().startswith('"""'):
+                doc = tail[1].strip().strip('"')
+        rows.append((value, doc))
+    return rows
+
+
+def _markdown(docstring: str) -> str:
+    return docstring.replace(":class:`", "`").replace("``", "`")
+
+
+def render() -> str:
+    lines = [
+        "# kvtrace span contract",
+        "",
+        "Generated from `kvtrace.telemetry.semconv` by `kvtrace contract`; do not edit by hand.",
+        "",
+        "## Stages, in lifecycle order",
+        "",
+        "| # | stage | span | category | recorded on | from | to |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for stage in semconv.STAGE_ORDER:
+        spec = semconv.STAGES[stage]
+        sides = ", ".join(s.value for s in spec.sides)
+        lines.append(f"| {stage.value} | `{stage.name.lower()}` | `{spec.span_name}` | "
+                     f"{spec.category.value} | {sides} | {spec.start} | {spec.end} |")
+    lines += ["", "## Categories", "", "| category | meaning |", "|---|---|"]
+    lines += [f"| `{c.value}` | {semconv.CATEGORY_MEANINGS[c]} |" for c in semconv.Category]
+    for title, prefix in (("Span attributes", "ATTR_"), ("Resource attributes", "RES_")):
+        lines += ["", f"## {title}", "", "| key | meaning |", "|---|---|"]
+        seen = set()
+        for value, doc in _constants(prefix):
+            if value not in seen:
+                seen.add(value)
+                lines.append(f"| `{value}` | {_markdown(doc)} |")
+    lines += ["", "## Closed value sets", ""]
+    for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,
+                 semconv.FailureCause):
+        lines.append(f"- `{enum.__name__}`: " + ", ".join(f"`{m.value}`" for m in enum))
+    lines += ["", f"Span events: `{semconv.FAILURE_EVENT}` on a failed stage, with "
+              f"`{semconv.ATTR_FAILURE_CAUSE}`; the span's status is ERROR.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the KV handoff and of kvtrace itself.
+
+Observed on the recorder's background thread, never on the engine loop.
+
+Multiprocess: vLLM's API server sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the
+engine processes, so inside vLLM these metrics are written to that directory and appear
+on vLLM's own ``/metrics`` endpoint next to ``vllm:*`` (prometheus-client's multiprocess
+mode drops exemplars). Outside that mode, ``metrics_port`` serves this process's
+registry on 127.0.0.1 in OpenMetrics format, exemplars (the trace id) included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Final
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+STAGE_DURATION: Final = "kvtrace_stage_duration_seconds"
+ENGINE_LOOP: Final = "kvtrace_engine_loop_seconds"
+TRANSFER_BYTES: Final = "kvtrace_transfer_bytes_total"
+TRANSFER_FAILURES: Final = "kvtrace_transfer_failures_total"
+DROPPED_RECORDS: Final = "kvtrace_dropped_records_total"
+EXPORT_FAILURES: Final = "kvtrace_export_failures_total"
+
+# From 50 µs (a descriptor prep on a small request) to 30 s (a stuck rendezvous).
+STAGE_BUCKETS: Final = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+# Per engine step: connector calls should stay in the µs range; ms is already costly.
+LOOP_BUCKETS: Final = (
+    0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
+)
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class KvtraceMetrics:
+    """The metric families, bound to one (mode, role) pair so callers pass only what varies."""
+
+    def __init__(self, mode: str, role: str, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self._stage = Histogram(
+            STAGE_DURATION, "Duration of each KV-handoff stage, per request.",
+            ("stage", "mode", "role"), buckets=STAGE_BUCKETS, registry=registry)
+        self._loop = Histogram(
+            ENGINE_LOOP, "Time the connector spent on the engine loop, per engine step.",
+            ("mode", "role"), buckets=LOOP_BUCKETS, registry=registry)
+        self._bytes = Counter(
+            TRANSFER_BYTES, "Bytes moved by NIXL WRITE or READ.",
+            ("op", "mode", "role"), registry=registry)
+        self._failures = Counter(
+            TRANSFER_FAILURES, "KV-handoff failures by cause.",
+            ("cause", "mode", "role"), registry=registry)
+        self._dropped = Counter(
+            DROPPED_RECORDS, "Stage records kvtrace dropped because its buffer was full.",
+            ("mode", "role"), registry=registry)
+        self._export_failures = Counter(
+            EXPORT_FAILURES, "Span export batches that failed (endpoint down, timeout).",
+            ("mode", "role"), registry=registry)
+        self._mode, self._role = mode, role
+        self._exemplars = not multiprocess_mode()
+
+    def observe_stage(self, stage: str, seconds: float, trace_id: int | None) -> None:
+        exemplar = {"trace_id": f"{trace_id:032x}"} if trace_id and self._exemplars else None
+        self._stage.labels(stage, self._mode, self._role).observe(seconds, exemplar)
+
+    def observe_engine_loop(self, seconds: float) -> None:
+        self._loop.labels(self._mode, self._role).observe(seconds)
+
+    def add_transfer_bytes(self, op: str, n: int) -> None:
+        self._bytes.labels(op, self._mode, self._role).inc(n)
+
+    def add_failure(self, cause: str) -> None:
+        self._failures.labels(cause, self._mode, self._role).inc()
+
+    def add_dropped(self, n: int) -> None:
+        self._dropped.labels(self._mode, self._role).inc(n)
+
+    def add_export_failure(self) -> None:
+        self._export_failures.labels(self._mode, self._role).inc()
+
+
+class NoOpMetrics:
+    """Stands in when metrics are off, so the recorder never branches per record."""
+
+    def observe_stage(self, stage: str, seconds: float, trace_id: int | None) -> None: ...
+    def observe_engine_loop(self, seconds: float) -> None: ...
+    def add_transfer_bytes(self, op: str, n: int) -> None: ...
+    def add_failure(self, cause: str) -> None: ...
+    def add_dropped(self, n: int) -> None: ...
+    def add_export_failure(self) -> None: ...
+
+
+_process_metrics: KvtraceMetrics | None = None
+
+
+def process_metrics(mode: str, role: str, port: int | None = None) -> KvtraceMetrics:
+    """The one metrics object of this process (families can be registered once per registry)."""
+    global _process_metrics
+    if _process_metrics is None:
+        _process_metrics = KvtraceMetrics(mode, role)
+        if port is not None and not multiprocess_mode():
+            start_http_server(port, addr="127.0.0.1")
+            logger.info("kvtrace metrics on http://127.0.0.1:%d/metrics", port)
+    return _process_metrics

@@ -1,0 +1,305 @@
+"""The hot-path recorder: the engine loop and NIXL threads record, a background thread exports.
+
+On the calling thread :meth:`Recorder.record` does one bound check and one ``deque.append``
+of a tuple of ids and monotonic timestamps; nothing is formatted, allocated per attribute
+or locked. A named daemon thread turns records into OpenTelemetry spans with explicit
+start and end times (monotonic → wall clock with one offset per process), feeds the
+Prometheus metrics, and exports. A full buffer drops and counts; an exporter that is down
+or slow only ever costs that thread. Modelled on the OpenTelemetry SDK's BatchProcessor.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+from . import semconv
+from .config import DEFAULT_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_QUEUE_SIZE, DEFAULT_SCHEDULE_DELAY_MS
+from .context import TraceRef, new_span_id
+from .metrics import NoOpMetrics
+from .semconv import Stage
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_LOOP = -1
+"""Pseudo-stage of an engine-loop record: feeds a histogram, never becomes a span."""
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_TRANSFER_OPS = {Stage.WRITE: "write", Stage.READ: "read"}
+_STAGE_LABELS = {stage: stage.name.lower() for stage in Stage}
+_FAILURE_LOG_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class RecorderStats:
+    """Counters of one recorder since it started (or since the fork that made this process)."""
+
+    dropped: int
+    exported_spans: int
+    export_failures: int
+    failed_spans: int
+
+
+def wall_clock_offset_ns() -> int:
+    """``time.time_ns() - time.perf_counter_ns()``, from the tightest of a few bracketed reads."""
+    best: tuple[int, int] | None = None
+    for _ in range(7):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) // 2)
+    assert best is not None
+    return best[1]
+
+
+class Recorder:
+    """Records stage timings on the hot path and exports them as spans off it.
+
+    Thread-safe (``deque.append`` and ``popleft`` are atomic), fork-safe (the child starts
+    with an empty buffer and its own worker thread), and flushed at interpreter exit.
+    """
+
+    enabled = True
+    now = staticmethod(time.perf_counter_ns)
+    """The recorder's clock: monotonic ns. Take every ``start_ns``/``end_ns`` from it."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter | None,
+        resource: Resource,
+        *,
+        metrics: Any = None,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        schedule_delay_ms: int = DEFAULT_SCHEDULE_DELAY_MS,
+        max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE,
+    ) -> None:
+        if max_queue_size < 1 or max_export_batch_size < 1 or schedule_delay_ms < 1:
+            raise ValueError("max_queue_size, max_export_batch_size and schedule_delay_ms must be >= 1")
+        if max_export_batch_size > max_queue_size:
+            raise ValueError("max_export_batch_size must not exceed max_queue_size")
+        self._exporter = exporter
+        self._resource = resource
+        self._metrics = metrics if metrics is not None else NoOpMetrics()
+        self._max_queue_size = max_queue_size
+        self._batch_size = max_export_batch_size
+        self._delay_s = schedule_delay_ms / 1000
+        self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE)
+        self._init_process_state()
+
+        # Fork safety, as the OTel SDK does it: a weak reference so the hook keeps nothing alive.
+        weak_reinit = weakref.WeakMethod(self._at_fork_reinit)
+        os.register_at_fork(after_in_child=lambda: (m := weak_reinit()) is not None and m())
+        weak_shutdown = weakref.WeakMethod(self.shutdown)
+        atexit.register(lambda: (m := weak_shutdown()) is not None and m())
+
+    def _init_process_state(self) -> None:
+        self._buffer: collections.deque = collections.deque(maxlen=self._max_queue_size)
+        self._wake = threading.Event()
+        self._export_lock = threading.Lock()
+        self._offset_ns = wall_clock_offset_ns()
+        self._pid = os.getpid()
+        self._shutdown = False
+        self._dropped = 0
+        self._dropped_reported = 0
+        self._exported_spans = 0
+        self._export_failures = 0
+        self._failed_spans = 0
+        self._last_failure_log = -_FAILURE_LOG_INTERVAL_S
+        self._worker = threading.Thread(target=self._run, name="kvtrace-exporter", daemon=True)
+        self._worker.start()
+
+    def _at_fork_reinit(self) -> None:
+        # Records in the parent's buffer are the parent's to export; the child starts clean.
+        self._init_process_state()
+
+    # ------------------------------------------------------------------ hot path
+
+    def record(
+        self,
+        ref: TraceRef | None,
+        stage: Stage,
+        start_ns: int,
+        end_ns: int,
+        attrs: Mapping[str, Any] | None = None,
+        span_id: int = 0,
+        error: str | None = None,
+    ) -> None:
+        """Record one stage. ``ref`` is the parent span (``None``: metrics only, no span).
+
+        ``span_id`` fixes the new span's id when children will point at it; 0 lets the
+        exporter thread choose. ``error`` is a :class:`~semconv.FailureCause` value.
+        """
+        buffer = self._buffer
+        if len(buffer) == self._max_queue_size:
+            # The append below evicts the oldest record. Under the GIL this increment has no
+            # call inside it, so no thread switch can split it.
+            self._dropped += 1
+        buffer.append((ref, stage, start_ns, end_ns, attrs, span_id, error))
+        if len(buffer) >= self._batch_size and not self._wake.is_set():
+            self._wake.set()
+
+    def record_engine_loop(self, duration_ns: int) -> None:
+        """Record the time the connector spent on the engine loop in one step."""
+        self.record(None, _ENGINE_LOOP, duration_ns, 0)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ off the hot path
+
+    def to_wall_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self._offset_ns
+
+    def stats(self) -> RecorderStats:
+        return RecorderStats(self._dropped, self._exported_spans, self._export_failures,
+                             self._failed_spans)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Export everything recorded so far; returns False if the exporter did not confirm."""
+        self._export_pending()
+        if self._exporter is None:
+            return True
+        return bool(self._exporter.force_flush(timeout_millis))
+
+    def shutdown(self, timeout_millis: int = 30_000) -> None:
+        """Flush what is buffered and stop; safe to call more than once, and without records."""
+        if self._shutdown or self._pid != os.getpid():
+            return
+        self._shutdown = True
+        self._wake.set()
+        self._worker.join(timeout_millis / 1000)
+        if self._worker.is_alive():
+            logger.warning("kvtrace: exporter thread still busy after %d ms at shutdown", timeout_millis)
+            return
+        if self._exporter is not None:
+            self._exporter.shutdown()
+
+    def _run(self) -> None:
+        while not self._shutdown:
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            self._export_pending()
+        self._export_pending()
+
+    def _export_pending(self) -> None:
+        with self._export_lock:
+            buffer = self._buffer
+            while buffer:
+                spans = []
+                for _ in range(self._batch_size):
+                    try:
+                        record = buffer.popleft()
+                    except IndexError:
+                        break
+                    try:
+                        span = self._process(record)
+                    except Exception:  # a malformed record must not stop the exporter
+                        logger.exception("kvtrace: could not build a span from a record")
+                        continue
+                    if span is not None:
+                        spans.append(span)
+                if spans:
+                    self._export(spans)
+            dropped = self._dropped
+            if dropped > self._dropped_reported:
+                self._metrics.add_dropped(dropped - self._dropped_reported)
+                self._dropped_reported = dropped
+
+    def _process(self, record: tuple) -> ReadableSpan | None:
+        ref, stage, start_ns, end_ns, attrs, span_id, error = record
+        if stage == _ENGINE_LOOP:
+            self._metrics.observe_engine_loop(start_ns / 1e9)
+            return None
+        sampled = ref is not None and ref.sampled
+        label = _STAGE_LABELS[stage]
+        self._metrics.observe_stage(label, (end_ns - start_ns) / 1e9, ref.trace_id if sampled else None)
+        if stage in _TRANSFER_OPS and attrs and semconv.ATTR_TRANSFER_BYTES in attrs:
+            self._metrics.add_transfer_bytes(_TRANSFER_OPS[stage], int(attrs[semconv.ATTR_TRANSFER_BYTES]))
+        if error is not None:
+            self._metrics.add_failure(error)
+        if not sampled or self._exporter is None:
+            return None
+
+        spec = semconv.STAGES[stage]
+        attributes: dict[str, Any] = {semconv.ATTR_CATEGORY: spec.category.value, semconv.ATTR_STAGE: label}
+        if attrs:
+            attributes.update(attrs)
+        start, end = start_ns + self._offset_ns, end_ns + self._offset_ns
+        status, events = Status(StatusCode.UNSET), ()
+        if error is not None:
+            attributes[semconv.ATTR_FAILURE_CAUSE] = error
+            status = Status(StatusCode.ERROR, error)
+            events = (Event(semconv.FAILURE_EVENT, {semconv.ATTR_FAILURE_CAUSE: error}, end),)
+        return ReadableSpan(
+            name=spec.span_name,
+            context=SpanContext(ref.trace_id, span_id or new_span_id(), False, _SAMPLED),
+            parent=SpanContext(ref.trace_id, ref.span_id, True, _SAMPLED),
+            resource=self._resource,
+            attributes=attributes,
+            events=events,
+            kind=spec.kind,
+            status=status,
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=self._scope,
+        )
+
+    def _export(self, spans: list[ReadableSpan]) -> None:
+        assert self._exporter is not None
+        token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))  # don't trace ourselves
+        try:
+            result = self._exporter.export(spans)
+        except Exception:
+            logger.exception("kvtrace: span exporter raised")
+            result = SpanExportResult.FAILURE
+        finally:
+            detach(token)
+        if result is SpanExportResult.SUCCESS:
+            self._exported_spans += len(spans)
+            return
+        self._export_failures += 1
+        self._failed_spans += len(spans)
+        self._metrics.add_export_failure()
+        now = time.monotonic()
+        if now - self._last_failure_log >= _FAILURE_LOG_INTERVAL_S:  # one warning a minute at most
+            self._last_failure_log = now
+            logger.warning("kvtrace: span export failed (%d batches so far)", self._export_failures)
+
+
+class NoOpRecorder:
+    """The recorder when telemetry is off: every call returns at once."""
+
+    enabled = False
+    now = staticmethod(time.perf_counter_ns)
+
+    def record(self, ref: Any, stage: Any, start_ns: int, end_ns: int, attrs: Any = None,
+               span_id: int = 0, error: str | None = None) -> None:
+        return None
+
+    def record_engine_loop(self, duration_ns: int) -> None:
+        return None
+
+    def to_wall_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns + wall_clock_offset_ns()
+
+    def stats(self) -> RecorderStats:
+        return RecorderStats(0, 0, 0, 0)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: int = 30_000) -> None:
+        return None

@@ -1,0 +1,317 @@
+"""The span contract: every span name, attribute key, category and stage order kvtrace uses.
+
+This module is the single source of truth for the shape of a kvtrace trace. The connector
+records against it, the collector attributes against it and the dashboard labels with it.
+docs/CONTRACT.md renders it as tables; ``tests/telemetry/test_semconv.py`` keeps the two in
+step.
+
+Registry names from OpenTelemetry's semantic conventions are reused where one fits
+(``service.name``, ``error.type``, ``gen_ai.usage.*``); everything else lives under
+``kvtrace.*``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final
+
+from opentelemetry.trace import SpanKind
+
+# --------------------------------------------------------------------------------------
+# Closed value sets
+# --------------------------------------------------------------------------------------
+
+
+class Category(str, enum.Enum):
+    """Where an instant of time to first token goes in the critical-path breakdown."""
+
+    ROOT = "root"
+    COMPUTE = "compute"
+    QUEUE = "queue"
+    COORDINATION = "coordination"
+    WIRE = "wire"
+    UNATTRIBUTED = "unattributed"
+
+
+CATEGORY_MEANINGS: Final[dict[Category, str]] = {
+    Category.ROOT: "The request as the router sees it; the whole that the other categories split.",
+    Category.COMPUTE: "Model forward passes: prefill on P, the first decode step on D.",
+    Category.QUEUE: "Waiting in an engine's scheduler for a slot.",
+    Category.COORDINATION: "Book-keeping between P and D: allocation, registration, rendezvous, "
+                           "handshake, descriptors, completion.",
+    Category.WIRE: "Bytes moving: the NIXL WRITE (push) or READ (pull).",
+    Category.UNATTRIBUTED: "Router or network time that no span covers (assigned by the collector).",
+}
+
+
+class Mode(str, enum.Enum):
+    """How the KV cache crosses from P to D."""
+
+    PUSH = "push"
+    PULL = "pull"
+
+
+class Role(str, enum.Enum):
+    """Which side of the handoff an instance plays (vLLM's ``kv_role``, simplified)."""
+
+    PRODUCER = "producer"
+    """The prefill instance (P)."""
+    CONSUMER = "consumer"
+    """The decode instance (D)."""
+    ROUTER = "router"
+    """The P/D proxy."""
+
+
+class Side(str, enum.Enum):
+    """Where a stage's span is recorded."""
+
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RendezvousOrder(str, enum.Enum):
+    """Which half of the push rendezvous reached P's writer first."""
+
+    REGISTRATION_FIRST = "registration_first"
+    """D's PUSH_REG was waiting when P's blocks were ready: prefill hid the coordination."""
+    KV_FIRST = "kv_first"
+    """P's blocks waited for D's registration: that wait is on the critical path."""
+
+
+class HandshakeKind(str, enum.Enum):
+    """How much of the remote agent a handshake set up."""
+
+    FULL = "full"
+    """Metadata exchange plus remote descriptor lists (needed to READ or WRITE)."""
+    NOTIF_ONLY = "notif_only"
+    """Just enough to send notifications (push: D → P registration)."""
+
+
+# --------------------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------------------
+
+
+class Stage(enum.IntEnum):
+    """Every stage of a request, in lifecycle order.
+
+    An ``IntEnum`` so the hot path records a small int, not a string. The value is the
+    stage's position in the lifecycle (see :data:`STAGE_ORDER`).
+    """
+
+    PD_REQUEST = 0
+    PD_ROUTE = 1
+    P_QUEUE = 2
+    PREFILL = 3
+    ALLOCATION = 4
+    REGISTRATION = 5
+    RENDEZVOUS = 6
+    HANDSHAKE = 7
+    DESCRIPTOR_PREP = 8
+    WRITE = 9
+    READ = 10
+    COMPLETION = 11
+    D_QUEUE = 12
+    FIRST_TOKEN = 13
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one stage is: its span name, category, where it is recorded and what it spans."""
+
+    span_name: str
+    category: Category
+    sides: tuple[Side, ...]
+    start: str
+    end: str
+    kind: SpanKind = SpanKind.INTERNAL
+
+
+# Span names. Two stages share ``engine.queue`` (P and D); the recording instance's
+# ``kvtrace.role`` resource attribute tells them apart.
+SPAN_PD_REQUEST: Final = "pd.request"
+SPAN_PD_ROUTE: Final = "pd.route"
+SPAN_ENGINE_QUEUE: Final = "engine.queue"
+SPAN_ENGINE_PREFILL: Final = "engine.prefill"
+SPAN_KV_ALLOCATION: Final = "kv.allocation"
+SPAN_KV_REGISTRATION: Final = "kv.registration"
+SPAN_KV_RENDEZVOUS: Final = "kv.rendezvous"
+SPAN_KV_HANDSHAKE: Final = "kv.handshake"
+SPAN_KV_DESCRIPTOR_PREP: Final = "kv.descriptor_prep"
+SPAN_KV_WRITE: Final = "kv.write"
+SPAN_KV_READ: Final = "kv.read"
+SPAN_KV_COMPLETION: Final = "kv.completion"
+SPAN_ENGINE_FIRST_TOKEN: Final = "engine.first_token"
+
+_R, _P, _D = Side.ROUTER, Side.PREFILL, Side.DECODE
+
+STAGES: Final[dict[Stage, StageSpec]] = {
+    Stage.PD_REQUEST: StageSpec(
+        SPAN_PD_REQUEST, Category.ROOT, (_R,),
+        "client request in", "last byte out", SpanKind.SERVER),
+    Stage.PD_ROUTE: StageSpec(
+        SPAN_PD_ROUTE, Category.COORDINATION, (_R,),
+        "request parsed", "P and D chosen (push: before prefill starts)"),
+    Stage.P_QUEUE: StageSpec(
+        SPAN_ENGINE_QUEUE, Category.QUEUE, (_P,),
+        "request waiting in P's scheduler", "scheduled for prefill"),
+    Stage.PREFILL: StageSpec(
+        SPAN_ENGINE_PREFILL, Category.COMPUTE, (_P,),
+        "scheduled for prefill", "prefill forward done, KV ready"),
+    Stage.ALLOCATION: StageSpec(
+        SPAN_KV_ALLOCATION, Category.COORDINATION, (_D,),
+        "D admission", "D blocks allocated (update_state_after_alloc)"),
+    Stage.REGISTRATION: StageSpec(
+        SPAN_KV_REGISTRATION, Category.COORDINATION, (_D, _P),
+        "push: allocation done; pull: P's params out",
+        "push: PUSH_REG sent (D) / received (P); pull: D admission"),
+    Stage.RENDEZVOUS: StageSpec(
+        SPAN_KV_RENDEZVOUS, Category.COORDINATION, (_P,),
+        "first of {registration, KV ready} at P's writer", "both present"),
+    Stage.HANDSHAKE: StageSpec(
+        SPAN_KV_HANDSHAKE, Category.COORDINATION, (_P, _D),
+        "first contact with a remote engine", "remote agent added"),
+    Stage.DESCRIPTOR_PREP: StageSpec(
+        SPAN_KV_DESCRIPTOR_PREP, Category.COORDINATION, (_P, _D),
+        "block-id mapping starts", "make_prepped_xfer returned"),
+    Stage.WRITE: StageSpec(
+        SPAN_KV_WRITE, Category.WIRE, (_P,),
+        "transfer() posted", "DONE observed"),
+    Stage.READ: StageSpec(
+        SPAN_KV_READ, Category.WIRE, (_D,),
+        "transfer() posted", "DONE observed"),
+    Stage.COMPLETION: StageSpec(
+        SPAN_KV_COMPLETION, Category.COORDINATION, (_D, _P),
+        "transfer done / notification arrives",
+        "engine scheduler knows (update_connector_output)"),
+    Stage.D_QUEUE: StageSpec(
+        SPAN_ENGINE_QUEUE, Category.QUEUE, (_D,),
+        "KV ready", "scheduled for decode"),
+    Stage.FIRST_TOKEN: StageSpec(
+        SPAN_ENGINE_FIRST_TOKEN, Category.COMPUTE, (_D,),
+        "scheduled for decode", "first token emitted"),
+}
+
+STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
+"""Stages in the order a request meets them (handshake, when it happens, sits before prep)."""
+
+SPAN_NAMES: Final[frozenset[str]] = frozenset(s.span_name for s in STAGES.values())
+
+
+def stage_for_span(span_name: str, role: str | None = None) -> Stage | None:
+    """Map an exported span back to its stage; ``engine.queue`` needs the instance's role."""
+    if span_name == SPAN_ENGINE_QUEUE:
+        return Stage.D_QUEUE if role == Role.CONSUMER.value else Stage.P_QUEUE
+    for stage, spec in STAGES.items():
+        if spec.span_name == span_name:
+            return stage
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Span attributes
+# --------------------------------------------------------------------------------------
+
+ATTR_CATEGORY: Final = "kvtrace.category"
+"""The stage's :class:`Category` value; set by kvtrace on every span it exports."""
+
+ATTR_STAGE: Final = "kvtrace.stage"
+"""The :class:`Stage` name in lower case (``p_queue``, ``write``, ...); disambiguates ``engine.queue``."""
+
+ATTR_REQUEST_ID: Final = "kvtrace.request_id"
+"""The base request id (vLLM's random suffix stripped), or its hash when hashing is on."""
+
+ATTR_REMOTE_REQUEST_ID: Final = "kvtrace.remote_request_id"
+"""The peer engine's id for the same request (P's id on D, D's id on P)."""
+
+ATTR_ENGINE_ID: Final = "kvtrace.engine_id"
+"""This engine's NIXL engine id (also a resource attribute)."""
+
+ATTR_REMOTE_ENGINE_ID: Final = "kvtrace.remote_engine_id"
+"""The peer engine's NIXL engine id."""
+
+ATTR_BLOCK_COUNT: Final = "kvtrace.block_count"
+"""KV blocks the stage handled."""
+
+ATTR_RENDEZVOUS_ORDER: Final = "kvtrace.rendezvous.order"
+"""A :class:`RendezvousOrder` value; only the ``kv_first`` wait is on the critical path."""
+
+ATTR_HANDSHAKE_KIND: Final = "kvtrace.handshake.kind"
+"""A :class:`HandshakeKind` value."""
+
+ATTR_ON_ENGINE_LOOP: Final = "kvtrace.on_engine_loop"
+"""True when the stage ran on the engine's main loop (pull descriptor prep), blocking steps."""
+
+ATTR_ENGINE_LOOP_NS: Final = "kvtrace.engine_loop_ns"
+"""Per-request sum of time spent inside connector calls on the engine loop, in ns."""
+
+ATTR_TRANSFER_BYTES: Final = "kvtrace.transfer.bytes"
+"""Bytes moved by a WRITE or READ (NIXL telemetry ``totalBytes``)."""
+
+ATTR_TRANSFER_DESCRIPTORS: Final = "kvtrace.transfer.descriptors"
+"""Descriptors in the transfer (NIXL telemetry ``descCount``)."""
+
+ATTR_TRANSFER_POST_US: Final = "kvtrace.transfer.post_us"
+"""NIXL's own post time for the transfer, in µs (``postDuration``)."""
+
+ATTR_TRANSFER_XFER_US: Final = "kvtrace.transfer.xfer_us"
+"""NIXL's own transfer time, in µs (``xferDuration``)."""
+
+ATTR_FAILURE_CAUSE: Final = "error.type"
+"""Why a stage failed (a :class:`FailureCause` value); OpenTelemetry's registry name."""
+
+ATTR_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+"""Prompt tokens (OpenTelemetry GenAI convention)."""
+
+ATTR_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+"""Completion tokens (OpenTelemetry GenAI convention)."""
+
+FAILURE_EVENT: Final = "kvtrace.failure"
+"""Name of the span event added to a failed stage; carries :data:`ATTR_FAILURE_CAUSE`."""
+
+
+class FailureCause(str, enum.Enum):
+    """Closed set of failure causes a stage can end with."""
+
+    TRANSFER_FAILED = "transfer_failed"
+    LEASE_EXPIRED = "lease_expired"
+    HANDSHAKE_FAILED = "handshake_failed"
+    PREEMPTED = "preempted"
+    RETRIED = "retried"
+    REGISTRATION_TIMEOUT = "registration_timeout"
+
+
+# --------------------------------------------------------------------------------------
+# Resource attributes
+# --------------------------------------------------------------------------------------
+
+RES_SERVICE_NAME: Final = "service.name"
+"""``vllm-prefill``, ``vllm-decode``, ``kvtrace-router`` unless the user names it."""
+
+RES_SERVICE_INSTANCE_ID: Final = "service.instance.id"
+"""Unique per process (host, pid and a random suffix)."""
+
+RES_ROLE: Final = "kvtrace.role"
+"""A :class:`Role` value."""
+
+RES_MODE: Final = "kvtrace.mode"
+"""A :class:`Mode` value."""
+
+RES_VLLM_VERSION: Final = "vllm.version"
+"""Installed vLLM version (``none`` where vLLM is absent, as on the router)."""
+
+RES_NIXL_VERSION: Final = "nixl.version"
+"""Installed NIXL version."""
+
+RES_ENGINE_ID: Final = "kvtrace.engine_id"
+"""This engine's NIXL engine id (the same key as the span attribute)."""
+
+DEFAULT_SERVICE_NAMES: Final[dict[Role, str]] = {
+    Role.PRODUCER: "vllm-prefill",
+    Role.CONSUMER: "vllm-decode",
+    Role.ROUTER: "kvtrace-router",
+}
+
+INSTRUMENTATION_SCOPE: Final = "kvtrace"

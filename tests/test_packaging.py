@@ -1,0 +1,43 @@
+"""The wheel installs everything under the kvtrace namespace and nothing at top level."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("connector", "telemetry", "collectors", "dashboard")
+
+
+def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("kvtrace-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
+    dist_info = {t for t in top_level if t.endswith(".dist-info")}
+    assert top_level - dist_info == {"kvtrace"} and len(dist_info) == 1
+    for folder in FOLDERS:
+        assert f"kvtrace/{folder}/__init__.py" in names
+    assert "kvtrace/telemetry/recorder.py" in names and "kvtrace/cli.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "kvtrace = kvtrace.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+    # Installed on its own, the wheel's modules are the ones imported (not the source tree).
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target",
+                    str(target), str(wheel)], check=True)
+    installed = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
+    assert installed - {"bin"} == {"kvtrace"}  # bin/ holds the console script
+    probe = ("import kvtrace.telemetry, kvtrace.connector, kvtrace.collectors, kvtrace.dashboard;"
+             "print(kvtrace.telemetry.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(target)}).stdout
+    assert out.strip().startswith(str(target / "kvtrace" / "telemetry"))
+
+
+def test_editable_install_resolves_the_root_folders(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "import kvtrace.telemetry as t; print(t.__file__)"],
+                         cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    assert Path(out.strip()) == ROOT / "telemetry" / "__init__.py"
