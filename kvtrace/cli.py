@@ -12,7 +12,6 @@ from kvtrace.telemetry.versions import installed_version
 
 # Subcommands whose issue has not landed yet: they say so instead of pretending.
 _NOT_YET = {
-    "router": "the P/D router (issue 3)",
     "collector": "the OTLP collector and store (issue 4)",
     "dashboard": "the Streamlit dashboard",
     "demo": "the local 1P1D demo (issue 3); `kvtrace bench recorder` runs today",
@@ -38,6 +37,22 @@ def _cmd_contract(args: argparse.Namespace) -> int:
     from kvtrace.telemetry.contract_doc import render
 
     print(render(), end="")
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvtrace import router
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = router.config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"kvtrace router: {exc}", file=sys.stderr)
+        return 2
+    router.serve(config)
     return 0
 
 
@@ -71,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(_BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
+    router = sub.add_parser("router", help="the P/D router: one OpenAI endpoint in front of P and D")
+    from kvtrace import router as router_module
+
+    router_module.add_arguments(router)
+    router.set_defaults(func=_cmd_router)
     for name, what in _NOT_YET.items():
         sub.add_parser(name, help=f"{what} — not yet").set_defaults(func=_not_yet(what))
     return parser

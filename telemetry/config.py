@@ -129,50 +129,50 @@ class TelemetryConfig:
 
         disabled = pick("enabled")
         if disabled is not None:
-            values["enabled"] = _parse_bool(*disabled)
+            values["enabled"] = parse_bool(*disabled)
         elif env.get(OTEL_SDK_DISABLED, "").strip():
-            values["enabled"] = not _parse_bool(OTEL_SDK_DISABLED, env[OTEL_SDK_DISABLED])
+            values["enabled"] = not parse_bool(OTEL_SDK_DISABLED, env[OTEL_SDK_DISABLED])
 
         if (got := pick("exporter", OTEL_TRACES_EXPORTER)) is not None:
-            values["exporter"] = _parse_choice(*got, EXPORTERS)
+            values["exporter"] = parse_choice(*got, EXPORTERS)
 
         if (got := pick("protocol", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
                         OTEL_EXPORTER_OTLP_PROTOCOL)) is not None:
-            values["protocol"] = _parse_choice(*got, PROTOCOLS)
+            values["protocol"] = parse_choice(*got, PROTOCOLS)
         protocol = values.get("protocol", cls.protocol)
 
         if (got := pick("endpoint", OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)) is not None:
-            values["endpoint"] = _parse_endpoint(*got)
+            values["endpoint"] = parse_endpoint(*got)
         elif (got := pick("_", OTEL_EXPORTER_OTLP_ENDPOINT)) is not None:
-            base = _parse_endpoint(*got)
+            base = parse_endpoint(*got)
             values["endpoint"] = base if protocol == "grpc" else base.rstrip("/") + "/v1/traces"
 
         if (got := pick("headers", OTEL_EXPORTER_OTLP_TRACES_HEADERS,
                         OTEL_EXPORTER_OTLP_HEADERS)) is not None:
-            values["headers"] = _parse_pairs(*got)
+            values["headers"] = parse_pairs(*got)
         if (got := pick("timeout_ms", OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
                         OTEL_EXPORTER_OTLP_TIMEOUT)) is not None:
-            values["timeout_ms"] = _parse_int(*got, minimum=1)
+            values["timeout_ms"] = parse_int(*got, minimum=1)
         if (got := pick("service_name", OTEL_SERVICE_NAME)) is not None:
-            values["service_name"] = _parse_str(*got)
+            values["service_name"] = parse_str(*got)
         if (got := pick("resource_attributes", OTEL_RESOURCE_ATTRIBUTES)) is not None:
-            values["resource_attributes"] = _parse_pairs(*got)
+            values["resource_attributes"] = parse_pairs(*got)
 
         if (got := pick("sampler", OTEL_TRACES_SAMPLER)) is not None:
-            values["sampler"] = _parse_choice(*got, SAMPLERS)
+            values["sampler"] = parse_choice(*got, SAMPLERS)
         if (got := pick("sampler_arg", OTEL_TRACES_SAMPLER_ARG)) is not None:
-            values["sampler_arg"] = _parse_ratio(*got)
+            values["sampler_arg"] = parse_ratio(*got)
 
         if (got := pick("max_queue_size", OTEL_BSP_MAX_QUEUE_SIZE)) is not None:
-            values["max_queue_size"] = _parse_int(*got, minimum=1)
+            values["max_queue_size"] = parse_int(*got, minimum=1)
         if (got := pick("schedule_delay_ms", OTEL_BSP_SCHEDULE_DELAY)) is not None:
-            values["schedule_delay_ms"] = _parse_int(*got, minimum=1)
+            values["schedule_delay_ms"] = parse_int(*got, minimum=1)
         if (got := pick("max_export_batch_size", OTEL_BSP_MAX_EXPORT_BATCH_SIZE)) is not None:
-            values["max_export_batch_size"] = _parse_int(*got, minimum=1)
+            values["max_export_batch_size"] = parse_int(*got, minimum=1)
         if (got := pick("hash_request_ids")) is not None:
-            values["hash_request_ids"] = _parse_bool(*got)
+            values["hash_request_ids"] = parse_bool(*got)
         if (got := pick("metrics_port")) is not None:
-            values["metrics_port"] = _parse_int(*got, minimum=0, maximum=65535)
+            values["metrics_port"] = parse_int(*got, minimum=0, maximum=65535)
 
         config = cls(**values)
         if config.max_export_batch_size > config.max_queue_size:
@@ -188,13 +188,13 @@ class TelemetryConfig:
 # --------------------------------------------------------------------------------------
 
 
-def _parse_str(key: str, raw: Any) -> str:
+def parse_str(key: str, raw: Any) -> str:
     if not isinstance(raw, str) or not raw.strip():
         raise ConfigError(key, f"expected a non-empty string, got {raw!r}")
     return raw.strip()
 
 
-def _parse_bool(key: str, raw: Any) -> bool:
+def parse_bool(key: str, raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
     text = str(raw).strip().lower()
@@ -205,7 +205,7 @@ def _parse_bool(key: str, raw: Any) -> bool:
     raise ConfigError(key, f"expected true or false, got {raw!r}")
 
 
-def _parse_choice(key: str, raw: Any, choices: tuple[str, ...]) -> str:
+def parse_choice(key: str, raw: Any, choices: tuple[str, ...]) -> str:
     text = str(raw).strip().lower()
     if text not in choices:
         hint = " (the Python OTLP exporters have no JSON encoding)" if text == "http/json" else ""
@@ -213,7 +213,7 @@ def _parse_choice(key: str, raw: Any, choices: tuple[str, ...]) -> str:
     return text
 
 
-def _parse_int(key: str, raw: Any, *, minimum: int, maximum: int | None = None) -> int:
+def parse_int(key: str, raw: Any, *, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(str(raw).strip()) if not isinstance(raw, int) or isinstance(raw, bool) else raw
     except ValueError:
@@ -224,7 +224,7 @@ def _parse_int(key: str, raw: Any, *, minimum: int, maximum: int | None = None) 
     return value
 
 
-def _parse_ratio(key: str, raw: Any) -> float:
+def parse_ratio(key: str, raw: Any) -> float:
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -234,8 +234,8 @@ def _parse_ratio(key: str, raw: Any) -> float:
     return value
 
 
-def _parse_endpoint(key: str, raw: Any) -> str:
-    text = _parse_str(key, raw)
+def parse_endpoint(key: str, raw: Any) -> str:
+    text = parse_str(key, raw)
     parsed = urlparse(text)
     try:
         port = parsed.port  # raises ValueError on a non-numeric or out-of-range port
@@ -248,7 +248,7 @@ def _parse_endpoint(key: str, raw: Any) -> str:
     return text
 
 
-def _parse_pairs(key: str, raw: Any) -> dict[str, str]:
+def parse_pairs(key: str, raw: Any) -> dict[str, str]:
     """``k=v,k2=v2`` (URL-encoded values, W3C baggage style) or an explicit mapping."""
     if isinstance(raw, Mapping):
         return {str(k): str(v) for k, v in raw.items()}

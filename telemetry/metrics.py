@@ -50,8 +50,9 @@ class KvtraceMetrics:
             STAGE_DURATION, "Duration of each KV-handoff stage, per request.",
             ("stage", "mode", "role"), buckets=STAGE_BUCKETS, registry=registry)
         self._loop = Histogram(
-            ENGINE_LOOP, "Time the connector spent on the engine loop, per engine step.",
-            ("mode", "role"), buckets=LOOP_BUCKETS, registry=registry)
+            ENGINE_LOOP, "Time the connector spent on the engine loop, per engine step and part "
+            "(scheduler or worker).",
+            ("part", "mode", "role"), buckets=LOOP_BUCKETS, registry=registry)
         self._bytes = Counter(
             TRANSFER_BYTES, "Bytes moved by NIXL WRITE or READ.",
             ("op", "mode", "role"), registry=registry)
@@ -71,8 +72,8 @@ class KvtraceMetrics:
         exemplar = {"trace_id": f"{trace_id:032x}"} if trace_id and self._exemplars else None
         self._stage.labels(stage, self._mode, self._role).observe(seconds, exemplar)
 
-    def observe_engine_loop(self, seconds: float) -> None:
-        self._loop.labels(self._mode, self._role).observe(seconds)
+    def observe_engine_loop(self, seconds: float, part: str) -> None:
+        self._loop.labels(part, self._mode, self._role).observe(seconds)
 
     def add_transfer_bytes(self, op: str, n: int) -> None:
         self._bytes.labels(op, self._mode, self._role).inc(n)
@@ -91,7 +92,7 @@ class NoOpMetrics:
     """Stands in when metrics are off, so the recorder never branches per record."""
 
     def observe_stage(self, stage: str, seconds: float, trace_id: int | None) -> None: ...
-    def observe_engine_loop(self, seconds: float) -> None: ...
+    def observe_engine_loop(self, seconds: float, part: str) -> None: ...
     def add_transfer_bytes(self, op: str, n: int) -> None: ...
     def add_failure(self, cause: str) -> None: ...
     def add_dropped(self, n: int) -> None: ...

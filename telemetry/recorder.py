@@ -154,9 +154,13 @@ class Recorder:
         if len(buffer) >= self._batch_size and not self._wake.is_set():
             self._wake.set()
 
-    def record_engine_loop(self, duration_ns: int) -> None:
-        """Record the time the connector spent on the engine loop in one step."""
-        self.record(None, _ENGINE_LOOP, duration_ns, 0)  # type: ignore[arg-type]
+    def record_engine_loop(self, duration_ns: int, part: str = "scheduler") -> None:
+        """Record the time the connector spent on the engine loop in one step.
+
+        ``part`` is ``scheduler`` or ``worker``: with one GPU the worker runs on the same
+        loop as the scheduler, with several it runs in its own process.
+        """
+        self.record(None, _ENGINE_LOOP, duration_ns, 0, part)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ off the hot path
 
@@ -221,7 +225,7 @@ class Recorder:
     def _process(self, record: tuple) -> ReadableSpan | None:
         ref, stage, start_ns, end_ns, attrs, span_id, error = record
         if stage == _ENGINE_LOOP:
-            self._metrics.observe_engine_loop(start_ns / 1e9)
+            self._metrics.observe_engine_loop(start_ns / 1e9, attrs)
             return None
         sampled = ref is not None and ref.sampled
         label = _STAGE_LABELS[stage]
@@ -246,7 +250,7 @@ class Recorder:
         return ReadableSpan(
             name=spec.span_name,
             context=SpanContext(ref.trace_id, span_id or new_span_id(), False, _SAMPLED),
-            parent=SpanContext(ref.trace_id, ref.span_id, True, _SAMPLED),
+            parent=SpanContext(ref.trace_id, ref.span_id, True, _SAMPLED) if ref.span_id else None,
             resource=self._resource,
             attributes=attributes,
             events=events,
@@ -289,7 +293,7 @@ class NoOpRecorder:
                span_id: int = 0, error: str | None = None) -> None:
         return None
 
-    def record_engine_loop(self, duration_ns: int) -> None:
+    def record_engine_loop(self, duration_ns: int, part: str = "scheduler") -> None:
         return None
 
     def to_wall_ns(self, monotonic_ns: int) -> int:

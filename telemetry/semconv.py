@@ -164,9 +164,9 @@ STAGES: Final[dict[Stage, StageSpec]] = {
         SPAN_KV_ALLOCATION, Category.COORDINATION, (_D,),
         "D admission", "D blocks allocated (update_state_after_alloc)"),
     Stage.REGISTRATION: StageSpec(
-        SPAN_KV_REGISTRATION, Category.COORDINATION, (_D, _P),
-        "push: allocation done; pull: P's params out",
-        "push: PUSH_REG sent (D) / received (P); pull: D admission"),
+        SPAN_KV_REGISTRATION, Category.COORDINATION, (_D, _P, _R),
+        "push: allocation done (D); pull: P's params reach the router",
+        "push: PUSH_REG sent (D) / received (P, an instant); pull: D's leg sent"),
     Stage.RENDEZVOUS: StageSpec(
         SPAN_KV_RENDEZVOUS, Category.COORDINATION, (_P,),
         "first of {registration, KV ready} at P's writer", "both present"),

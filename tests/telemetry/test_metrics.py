@@ -19,7 +19,7 @@ def test_recorder_feeds_metrics(make_recorder):
     recorder.record(ref, Stage.WRITE, 0, 2_000_000, {semconv.ATTR_TRANSFER_BYTES: 4096})
     recorder.record(ref, Stage.WRITE, 0, 1_000, {semconv.ATTR_TRANSFER_BYTES: 1024},
                     error="transfer_failed")
-    recorder.record_engine_loop(3_000)
+    recorder.record_engine_loop(3_000, "worker")
     recorder.force_flush()
 
     def value(name, **labels):
@@ -31,7 +31,7 @@ def test_recorder_feeds_metrics(make_recorder):
     assert value("kvtrace_transfer_bytes_total", op="write", mode="push", role="producer") == 5120
     assert value("kvtrace_transfer_failures_total", cause="transfer_failed", mode="push",
                  role="producer") == 1
-    assert value("kvtrace_engine_loop_seconds_count", mode="push", role="producer") == 1
+    assert value("kvtrace_engine_loop_seconds_count", part="worker", mode="push", role="producer") == 1
     assert value("kvtrace_export_failures_total", mode="push", role="producer") == 1
 
     with recorder._export_lock:  # hold the exporter thread off: 4 records fit, 2 are dropped

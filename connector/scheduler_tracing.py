@@ -1,0 +1,190 @@
+"""Stage timing on the scheduler side of a connector (the engine-core main loop).
+
+One :class:`SchedulerTracing` per scheduler-role connector. The connector facade calls it
+before and after vLLM's own method; it reads ids and a clock, keeps a few integers per
+request and hands records to the recorder. Nothing here changes what vLLM does.
+
+Per request, by role:
+
+* producer (P): ``engine.queue`` admission → scheduled (first allocation),
+  ``engine.prefill`` scheduled → finished (KV ready), ``kv.completion`` (P's release)
+  WRITE done / READ notification seen by the worker → the scheduler frees the blocks.
+* consumer (D): ``kv.allocation`` admission → blocks allocated, ``kv.completion`` KV
+  arrived at the worker → the scheduler knows, ``engine.queue`` KV ready → scheduled for
+  decode, ``engine.first_token`` scheduled → first token sampled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace.telemetry import semconv
+from kvtrace.telemetry.context import Sampler, TraceRef, parse_traceparent
+from kvtrace.telemetry.semconv import FailureCause, Role, Stage
+
+from .protocol import PARAM_TRACEPARENT, REG_KEY, WorkerReport, base_request_id
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler side keeps per request: a reference and a few timestamps."""
+
+    ref: TraceRef
+    request: Any
+    attrs: dict
+    admitted_ns: int
+    scheduled_ns: int = 0  # P: first scheduled; D: scheduled for decode
+    kv_ready_ns: int = 0  # D: the scheduler knows the KV cache arrived
+    loop_ns: int = 0  # per-request connector time on the engine loop
+
+
+class SchedulerTracing:
+    def __init__(self, recorder: Any, sampler: Sampler, role: Role, engine_id: str,
+                 hash_request_ids: bool = False) -> None:
+        self._rec = recorder
+        self._sampler = sampler
+        self._producer = role is Role.PRODUCER
+        self._engine_id = engine_id
+        self._hash_ids = hash_request_ids
+        self._requests: dict[str, _Request] = {}
+        self._unsent: dict[str, str] = {}  # request id -> traceparent, not yet sent to workers
+        self._awaiting_first_token: dict[str, _Request] = {}
+        self._loop_ns = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def request_id_attr(self, request_id: str) -> str:
+        base = base_request_id(request_id)
+        return hashlib.sha256(base.encode()).hexdigest()[:16] if self._hash_ids else base
+
+    def _trace_ref(self, request: Any) -> TraceRef:
+        params = request.kv_transfer_params or {}
+        ref = parse_traceparent(params.get(PARAM_TRACEPARENT))
+        if ref is None and request.trace_headers:  # vLLM's own tracing carried it
+            ref = parse_traceparent(request.trace_headers.get("traceparent"))
+        return ref if ref is not None else self._sampler.start(None)
+
+    def add_loop_time(self, ns: int, request_id: str | None = None) -> None:
+        self._loop_ns += ns
+        if request_id is not None and (state := self._requests.get(request_id)) is not None:
+            state.loop_ns += ns
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_new_request(self, request: Any) -> None:
+        if not request.kv_transfer_params:
+            return  # not a disaggregated request: nothing of ours to time
+        ref = self._trace_ref(request)
+        attrs = {semconv.ATTR_REQUEST_ID: self.request_id_attr(request.request_id),
+                 semconv.ATTR_ENGINE_ID: self._engine_id}
+        self._requests[request.request_id] = _Request(ref, request, attrs, self._rec.now())
+        self._unsent[request.request_id] = ref.traceparent
+
+    def before_alloc(self, request: Any, num_external_tokens: int) -> bool:
+        """True when this allocation is D's first one for a remote prefill (read before vLLM
+        clears ``do_remote_prefill``)."""
+        params = request.kv_transfer_params or {}
+        return bool(params.get("do_remote_prefill")) and not self._producer
+
+    def after_alloc(self, request: Any, num_external_tokens: int, first_remote: bool,
+                    pending_registrations: dict | None) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        now = self._rec.now()
+        if self._producer:
+            if not state.scheduled_ns:
+                state.scheduled_ns = now
+                self._rec.record(state.ref, Stage.P_QUEUE, state.admitted_ns, now, state.attrs)
+            return
+        if not first_remote:
+            return
+        attrs = {**state.attrs, semconv.ATTR_INPUT_TOKENS: request.num_prompt_tokens}
+        self._rec.record(state.ref, Stage.ALLOCATION, state.admitted_ns, now, attrs)
+        if num_external_tokens <= 0:  # full local prefix hit: nothing to transfer
+            state.kv_ready_ns = now
+            return
+        registration = (pending_registrations or {}).get(request.request_id)
+        if registration is not None:  # push: the PUSH_REG payload carries our context to P
+            registration[REG_KEY] = {"traceparent": state.ref.traceparent, "allocated_ns": now}
+
+    def on_finished(self, request: Any, params: dict | None) -> None:
+        """P's request finished (prefill done, KV ready); D's request ended."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        if self._producer and state.scheduled_ns:
+            attrs = {**state.attrs, semconv.ATTR_INPUT_TOKENS: request.num_prompt_tokens}
+            self._rec.record(state.ref, Stage.PREFILL, state.scheduled_ns, self._rec.now(), attrs)
+            if params is not None:  # pull: the router relays these params to D
+                params[PARAM_TRACEPARENT] = state.ref.traceparent
+        if not self._producer:
+            self._check_first_tokens(self._rec.now())  # it may finish on its first token
+            self._requests.pop(request.request_id, None)
+            self._awaiting_first_token.pop(request.request_id, None)
+        elif params is None:  # P kept no blocks: no release will follow
+            self._requests.pop(request.request_id, None)
+
+    def attach_traces(self, meta: Any) -> None:
+        """Scheduler → worker carrier: trace contexts of requests the workers have not seen."""
+        if self._unsent:
+            meta.kvtrace_traces = self._unsent
+            self._unsent = {}
+
+    def on_schedule(self, scheduler_output: Any) -> None:
+        """Once per schedule(): D requests whose KV arrived and that are now scheduled."""
+        now = self._rec.now()
+        scheduled = scheduler_output.num_scheduled_tokens
+        if not self._producer:
+            for request_id, state in self._requests.items():
+                if state.kv_ready_ns and not state.scheduled_ns and request_id in scheduled:
+                    state.scheduled_ns = now
+                    self._rec.record(state.ref, Stage.D_QUEUE, state.kv_ready_ns, now, state.attrs)
+                    self._awaiting_first_token[request_id] = state
+        self._check_first_tokens(now)
+        self._rec.record_engine_loop(self._loop_ns)
+        self._loop_ns = 0
+
+    def on_connector_output(self, output: Any) -> None:
+        now = self._rec.now()
+        report = output.kv_connector_worker_meta
+        report = report if isinstance(report, WorkerReport) else WorkerReport()
+        finished = (output.finished_recving or set()) | (output.finished_sending or set())
+        for request_id in finished:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            ready_ns = min(report.ready_ns.get(request_id, now), now)
+            error = FailureCause.LEASE_EXPIRED.value if request_id in report.expired else None
+            loop_ns = state.loop_ns + report.loop_ns.get(request_id, 0)
+            attrs = {**state.attrs, semconv.ATTR_ENGINE_LOOP_NS: loop_ns}
+            self._rec.record(state.ref, Stage.COMPLETION, ready_ns, now, attrs, error=error)
+            if self._producer:
+                self._requests.pop(request_id, None)
+            else:
+                state.kv_ready_ns = now
+        for request_id in output.failed_recving or ():
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._rec.record(state.ref, Stage.COMPLETION, now, now, state.attrs,
+                                 error=FailureCause.TRANSFER_FAILED.value)
+        self._check_first_tokens(now)
+
+    def on_registration_timeout(self, request_ids: list[str]) -> None:
+        now = self._rec.now()
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._rec.record(state.ref, Stage.REGISTRATION, state.admitted_ns, now, state.attrs,
+                                 error=FailureCause.REGISTRATION_TIMEOUT.value)
+
+    def _check_first_tokens(self, now: int) -> None:
+        if not self._awaiting_first_token:
+            return
+        done = [rid for rid, s in self._awaiting_first_token.items() if s.request.num_output_tokens > 0]
+        for request_id in done:
+            state = self._awaiting_first_token.pop(request_id)
+            self._requests.pop(request_id, None)
+            self._rec.record(state.ref, Stage.FIRST_TOKEN, state.scheduled_ns, now, state.attrs)

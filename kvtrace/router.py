@@ -1,0 +1,310 @@
+"""The P/D router: one OpenAI-compatible endpoint in front of a prefill and a decode instance.
+
+It starts (or continues, from the client's ``traceparent``) the request's trace, records
+``pd.request``, ``pd.route`` and, in pull mode, the relay of P's parameters to D
+(``kv.registration``), and hands the trace to both engines in ``kv_transfer_params`` and
+the ``traceparent`` header.
+
+* pull: prefill leg first (``max_tokens=1``), then the decode leg with P's returned
+  ``kv_transfer_params``.
+* push: D's leg needs only P's static coordinates, so both legs go out at once with one
+  ``X-Request-Id`` — D allocates and registers with P while P is still prefilling.
+
+The decode leg is always streamed from D, so the router sees the first token; a client that
+asked for a plain response gets the chunks assembled into one. Upstream failures come back
+as OpenAI-style errors (502 unreachable, 504 timed out, or the engine's own status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import uuid
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+from aiohttp import web
+
+from kvtrace.telemetry import Mode, Role, Stage, TelemetryConfig, TraceRef, configure, sampler, semconv
+from kvtrace.telemetry.context import new_span_id, parse_traceparent
+
+logger = logging.getLogger("kvtrace.router")
+
+PARAM_TRACEPARENT = "kvtrace_traceparent"  # the connector's carrier (kvtrace.connector.protocol)
+ATTR_TTFT_NS = "kvtrace.router.ttft_ns"
+ATTR_STATUS = "http.response.status_code"
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    prefill: str
+    decode: str
+    mode: Mode
+    prefill_engine_id: str | None = None
+    prefill_kv_host: str = "127.0.0.1"
+    prefill_kv_port: int | None = None
+    prefill_tp_size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        for name in ("prefill", "decode"):
+            url = urlparse(getattr(self, name))
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(f"--{name}: {getattr(self, name)!r} is not an http(s) URL")
+        if self.mode is Mode.PUSH and (self.prefill_engine_id is None or self.prefill_kv_port is None):
+            raise ValueError("push mode needs --prefill-engine-id and --prefill-kv-port: D registers "
+                             "with P before P has answered, so it must know P's coordinates up front")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout must be positive")
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, recorder: Any = None, trace_sampler: Any = None) -> None:
+        config.validate()
+        self.config = config
+        telemetry = TelemetryConfig.load()
+        self._rec = recorder if recorder is not None else configure(telemetry, Role.ROUTER, config.mode)
+        self._sampler = trace_sampler if trace_sampler is not None else sampler(telemetry)
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=10)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._rec.force_flush()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "mode": self.config.mode.value})
+
+    # ------------------------------------------------------------------ one request
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t_in = self._rec.now()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", "invalid_request_error")
+
+        chat = request.path.endswith("/chat/completions")
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        parent = parse_traceparent(request.headers.get("traceparent"))
+        trace = self._sampler.start(parent)  # trace.span_id is pd.request's own id
+        root_parent = TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled)
+        engine_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}" + ("" if chat else "-0")
+        attrs = {semconv.ATTR_REQUEST_ID: engine_id}
+        headers = {"X-Request-Id": request_id, "traceparent": trace.traceparent}
+        if auth := request.headers.get("Authorization"):
+            headers["Authorization"] = auth
+
+        response: web.StreamResponse | None = None
+        status = 200
+        first_token_ns = 0
+        try:
+            self._rec.record(trace, Stage.PD_ROUTE, t_in, self._rec.now(), attrs)
+            prefill_body = self._prefill_body(body, trace)
+            decode_params = self._push_params(engine_id, trace) if self.config.mode is Mode.PUSH else None
+            path = request.path
+            if decode_params is None:  # pull: P first, then relay its params to D
+                p_params = await self._prefill(path, prefill_body, headers)
+                t_relay = self._rec.now()
+                p_params = {**p_params, PARAM_TRACEPARENT: trace.traceparent}
+                sent: dict[str, int] = {}
+                stream = self._decode(path, body, p_params, headers, sent)
+                first_chunk = await anext(stream)
+                self._rec.record(trace, Stage.REGISTRATION, t_relay, sent.get("ns", t_relay), attrs)
+            else:  # push: both legs at once
+                prefill = asyncio.ensure_future(self._prefill(path, prefill_body, headers))
+                stream = self._decode(path, body, decode_params, headers)
+                decode_first = asyncio.ensure_future(anext(stream))
+                try:
+                    await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
+                    prefill.result()  # P failed → stop waiting on D, which would wait for a push
+                    first_chunk = await decode_first
+                finally:
+                    for task in (prefill, decode_first):
+                        if not task.done():
+                            task.cancel()
+            first_token_ns = self._rec.now()
+            response = await self._respond(request, body, chat, first_chunk, stream)
+            return response
+        except UpstreamError as exc:
+            status = exc.status
+            return error_response(exc.status, exc.message, exc.kind)
+        except asyncio.TimeoutError:
+            status = 504
+            return error_response(504, "an upstream engine did not answer in time", "upstream_timeout")
+        except aiohttp.ClientError as exc:
+            status = 502
+            return error_response(502, f"upstream engine unreachable: {type(exc).__name__}",
+                                  "upstream_unavailable")
+        finally:
+            end = self._rec.now()
+            root_attrs = {**attrs, ATTR_STATUS: status}
+            if first_token_ns:
+                root_attrs[ATTR_TTFT_NS] = first_token_ns - t_in
+            self._rec.record(root_parent, Stage.PD_REQUEST, t_in, end, root_attrs, span_id=trace.span_id,
+                             error=None if status < 400 else "upstream_error")
+
+    # ------------------------------------------------------------------ legs
+
+    def _prefill_body(self, body: dict, trace: TraceRef) -> dict:
+        out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            PARAM_TRACEPARENT: trace.traceparent}}
+        out.pop("stream_options", None)
+        out.pop("max_completion_tokens", None)
+        return out
+
+    def _push_params(self, engine_request_id: str, trace: TraceRef) -> dict:
+        c = self.config
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": c.prefill_engine_id, "remote_host": c.prefill_kv_host,
+                "remote_port": c.prefill_kv_port, "tp_size": c.prefill_tp_size, "pp_size": 1,
+                "remote_request_id": engine_request_id, "remote_block_ids": [],
+                PARAM_TRACEPARENT: trace.traceparent}
+
+    async def _prefill(self, path: str, body: dict, headers: dict) -> dict:
+        assert self._session is not None
+        async with self._session.post(self.config.prefill + path, json=body, headers=headers) as resp:
+            payload = await resp.read()
+            if resp.status != 200:
+                raise UpstreamError(resp.status, _upstream_message(payload, "prefill"), "upstream_error")
+        params = json.loads(payload).get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise UpstreamError(502, "prefill instance returned no kv_transfer_params (is it running "
+                                "with a kv_producer NIXL connector?)", "upstream_error")
+        return params
+
+    async def _decode(self, path: str, body: dict, params: dict, headers: dict,
+                      sent: dict[str, int] | None = None):
+        """Yield D's SSE events (bytes) as they arrive; ``sent["ns"]`` notes when the leg left."""
+        assert self._session is not None
+        decode_body = {**body, "stream": True, "kv_transfer_params": params,
+                       "stream_options": {"include_usage": True}}
+        if sent is not None:
+            sent["ns"] = self._rec.now()
+        async with self._session.post(self.config.decode + path, json=decode_body, headers=headers) as resp:
+            if resp.status != 200:
+                raise UpstreamError(resp.status, _upstream_message(await resp.read(), "decode"),
+                                    "upstream_error")
+            buffer = b""
+            async for data in resp.content.iter_any():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if event.strip():
+                        yield event + b"\n\n"
+
+    async def _respond(self, request: web.Request, body: dict, chat: bool, first: bytes,
+                       stream: Any) -> web.StreamResponse:
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(first)
+            async for event in stream:
+                await response.write(event)
+            await response.write_eof()
+            return response
+        events = [first] + [event async for event in stream]
+        return web.json_response(assemble(events, chat))
+
+
+def _upstream_message(payload: bytes, leg: str) -> str:
+    try:
+        message = json.loads(payload)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = payload[:200].decode(errors="replace")
+    return f"{leg} instance: {message}"
+
+
+def assemble(events: list[bytes], chat: bool) -> dict:
+    """Turn streamed chunks back into the one response a non-streaming client expects."""
+    chunks = []
+    for event in events:
+        for line in event.decode().splitlines():
+            if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                chunks.append(json.loads(line[6:]))
+    if not chunks:
+        raise UpstreamError(502, "decode instance sent no chunks", "upstream_error")
+    choices: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            slot = choices.setdefault(choice["index"], {"index": choice["index"], "text": "",
+                                                        "finish_reason": None})
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            slot["text"] += piece or ""
+            slot["finish_reason"] = choice.get("finish_reason") or slot["finish_reason"]
+    head = chunks[0]
+    result = {"id": head["id"], "object": "chat.completion" if chat else "text_completion",
+              "created": head["created"], "model": head["model"], "usage": usage}
+    if chat:
+        result["choices"] = [{"index": c["index"], "finish_reason": c["finish_reason"],
+                              "message": {"role": "assistant", "content": c["text"]}}
+                             for c in sorted(choices.values(), key=lambda c: c["index"])]
+    else:
+        result["choices"] = [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
+                              "logprobs": None} for c in sorted(choices.values(), key=lambda c: c["index"])]
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", required=True, help="prefill instance base URL (http://127.0.0.1:8100)")
+    parser.add_argument("--decode", required=True, help="decode instance base URL")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], required=True)
+    parser.add_argument("--prefill-engine-id", help="push: P's engine_id (set it in P's kv-transfer-config)")
+    parser.add_argument("--prefill-kv-host", default="127.0.0.1", help="push: P's NIXL side-channel host")
+    parser.add_argument("--prefill-kv-port", type=int, help="push: P's NIXL side-channel port")
+    parser.add_argument("--prefill-tp-size", type=int, default=1)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=300.0, help="per-leg timeout, seconds")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(prefill=args.prefill.rstrip("/"), decode=args.decode.rstrip("/"),
+                        mode=Mode(args.mode), prefill_engine_id=args.prefill_engine_id,
+                        prefill_kv_host=args.prefill_kv_host, prefill_kv_port=args.prefill_kv_port,
+                        prefill_tp_size=args.prefill_tp_size, host=args.host, port=args.port,
+                        timeout_s=args.timeout)
+
+
+def serve(config: RouterConfig) -> None:
+    router = Router(config)
+    logger.info("kvtrace router (%s) on http://%s:%d → P %s, D %s", config.mode.value, config.host,
+                config.port, config.prefill, config.decode)
+    web.run_app(router.app(), host=config.host, port=config.port, print=None)

@@ -1,0 +1,261 @@
+"""Start a real 1P1D pair (vLLM on CPU, NIXL over loopback) and the kvtrace router, and stop them.
+
+Everything listens on 127.0.0.1. Each instance runs in its own process group pinned to its
+own core (P on the first, D on the last), with the kvtrace connectors loaded through
+``kv_connector_module_path`` and the CPU options of :mod:`kvtrace.connector.options` on.
+Stopping sends SIGTERM to each group, waits, and only then kills; shared-memory segments
+the pair created under /dev/shm are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from . import model as tiny_model
+
+PREFILL_ENGINE_ID = "kvtrace-prefill"
+DECODE_ENGINE_ID = "kvtrace-decode"
+CPU_OPTIONS = {"nixl_progress_delay_us": 1000, "keep_cpu_affinity": True}
+SHM = Path("/dev/shm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class PairConfig:
+    mode: str = "push"
+    model_dir: Path | None = None
+    otlp_endpoint: str | None = None
+    """Where engines and router send spans (OTLP/gRPC); None: tracing on, nothing exported."""
+    tracing: bool = True
+    """False loads the kvtrace connectors with ``kvtrace.enabled: false`` (vLLM's behaviour)."""
+    cpu_options: bool = True
+    prefix_caching: bool = False
+    max_model_len: int = 4096
+    router_port: int | None = None
+    log_dir: Path | None = None
+    ready_timeout_s: float = 300.0
+    extra_kvtrace: dict = dataclasses.field(default_factory=dict)
+
+    def kvtrace_block(self) -> dict:
+        block: dict[str, Any] = {"enabled": self.tracing, **self.extra_kvtrace}
+        if self.cpu_options:
+            block.update(CPU_OPTIONS)
+        if self.otlp_endpoint:
+            block["endpoint"] = self.otlp_endpoint
+        return block
+
+
+@dataclasses.dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str
+
+
+class LocalPair:
+    """``with LocalPair(PairConfig(mode="pull")) as pair: pair.router_url ...``"""
+
+    def __init__(self, config: PairConfig) -> None:
+        if config.mode not in ("push", "pull"):
+            raise ValueError(f"mode must be push or pull, got {config.mode!r}")
+        self.config = config
+        self.procs: list[_Proc] = []
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvtrace-pair-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._shm_before: set[str] = set()
+        self.ports = {name: free_port() for name in ("p_http", "d_http", "p_kv", "d_kv")}
+        self.ports["router"] = config.router_port or free_port()
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['router']}"
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['p_http']}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['d_http']}"
+
+    def __enter__(self) -> "LocalPair":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ start
+
+    def _engine_command(self, role: str) -> tuple[list[str], dict[str, str], set[int]]:
+        c = self.config
+        prefill = role == "prefill"
+        kv_config = {
+            "kv_connector": "NixlPushConnector" if c.mode == "push" else "NixlPullConnector",
+            "kv_connector_module_path": "kvtrace.connector",
+            "kv_role": "kv_producer" if prefill else "kv_consumer",
+            "engine_id": PREFILL_ENGINE_ID if prefill else DECODE_ENGINE_ID,
+            "kv_connector_extra_config": {"kvtrace": c.kvtrace_block()},
+        }
+        port = self.ports["p_http" if prefill else "d_http"]
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(c.model_dir), "--served-model-name", "tiny",
+                   "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                   "--max-model-len", str(c.max_model_len), "--max-num-seqs", "8",
+                   "--kv-transfer-config", json.dumps(kv_config)]
+        if not c.prefix_caching:
+            command.append("--no-enable-prefix-caching")
+        cores = sorted(os.sched_getaffinity(0))
+        core = cores[0] if prefill else cores[-1]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.ports["p_kv" if prefill else "d_kv"]),
+            "UCX_NET_DEVICES": "lo",  # keep every UCX listener on loopback
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+        return command, env, {core}
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str], cores: set[int] | None,
+               url: str) -> None:
+        log = self.log_dir / f"{name}.log"
+        if cores:  # taskset pins before Python starts; no preexec_fn, which forks with threads
+            command = ["taskset", "-c", ",".join(map(str, sorted(cores))), *command]
+        with open(log, "wb") as handle:
+            popen = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(_Proc(name, popen, log, url))
+
+    def start(self) -> None:
+        c = self.config
+        c.model_dir = Path(c.model_dir or tiny_model.build())
+        self._shm_before = set(os.listdir(SHM)) if SHM.exists() else set()
+        try:
+            for role in ("prefill", "decode"):
+                command, env, cores = self._engine_command(role)
+                url = self.prefill_url if role == "prefill" else self.decode_url
+                self._spawn(role, command, env, cores, url)
+            router_env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp" if c.tracing else "none"}
+            if c.otlp_endpoint and c.tracing:
+                router_env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = c.otlp_endpoint
+            if not c.tracing:
+                router_env["OTEL_SDK_DISABLED"] = "true"
+            router_cmd = [sys.executable, "-m", "kvtrace", "router", "--mode", c.mode,
+                          "--prefill", self.prefill_url, "--decode", self.decode_url,
+                          "--port", str(self.ports["router"]),
+                          "--prefill-engine-id", PREFILL_ENGINE_ID,
+                          "--prefill-kv-port", str(self.ports["p_kv"])]
+            self._spawn("router", router_cmd, router_env, None, self.router_url)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        pending = list(self.procs)
+        while pending:
+            for proc in list(pending):
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} during start-up; "
+                                       f"last log lines:\n{tail(proc.log)}")
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(proc.url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            pending.remove(proc)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {self.config.ready_timeout_s:.0f}s: "
+                                   f"{[p.name for p in pending]}; logs in {self.log_dir}")
+            time.sleep(1)
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM each process group we started, wait, then SIGKILL what is left."""
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            # Children of the group (EngineCore) may outlive the leader briefly.
+            while _group_alive(proc.popen.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _group_alive(proc.popen.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+        self.procs.clear()
+        self._clean_shm()
+
+    def _clean_shm(self) -> None:
+        if not SHM.exists():
+            return
+        for name in set(os.listdir(SHM)) - self._shm_before:
+            path = SHM / name
+            with contextlib.suppress(OSError):
+                if path.stat().st_uid == os.getuid():
+                    path.unlink()
+
+    def idle_cpu_percent(self, seconds: float = 5.0) -> float:
+        """CPU used by all our processes (and their children) over ``seconds``, in % of one core."""
+        def total() -> float:
+            ticks = 0
+            for proc in self.procs:
+                for pid in _group_pids(proc.popen.pid):
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                        ticks += int(fields[11]) + int(fields[12])  # utime + stime
+            return ticks / os.sysconf("SC_CLK_TCK")
+        before = total()
+        time.sleep(seconds)
+        return 100.0 * (total() - before) / seconds
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
