@@ -22,6 +22,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 from kvtrace.telemetry import semconv
 from kvtrace.telemetry.context import TraceRef, parse_traceparent
 from kvtrace.telemetry.semconv import FailureCause, HandshakeKind, RendezvousOrder, Stage
@@ -208,6 +210,7 @@ class WorkerTracing:
     def _wrap_handle_push_reg_notif(self, original):
         def handle_push_reg_notif(notif, *args, **kwargs):
             self._local.registration_arrived = self._rec.now()
+            self._local.registration_notif = notif
             return original(notif, *args, **kwargs)
         return handle_push_reg_notif
 
@@ -222,6 +225,9 @@ class WorkerTracing:
     def _on_registration(self, d_request_id: str, match: Any) -> None:
         arrived = getattr(self._local, "registration_arrived", 0) or self._rec.now()
         ref = self.ref_for(d_request_id)
+        if ref is None:  # P has not seen this request yet: read D's context from the payload
+            ref = _registration_ref(_decode_registration(getattr(self._local, "registration_notif", b"")))
+            self.remember(d_request_id, ref)
         attrs = self._attrs(d_request_id)
         self._rec.record(ref, Stage.REGISTRATION, arrived, arrived, attrs)  # received on P
         if match is None:
@@ -351,6 +357,13 @@ def _bounded_put(table: dict, key: str, value: int, keep_first: bool = False) ->
     table[key] = value
     if len(table) > _MAX_TRACKED:
         table.pop(next(iter(table)), None)
+
+
+def _decode_registration(notif: bytes) -> dict | None:
+    if not notif.startswith(PUSH_REG_PREFIX):
+        return None
+    decoded = msgspec.msgpack.decode(notif[len(PUSH_REG_PREFIX):])
+    return decoded if isinstance(decoded, dict) else None
 
 
 def _registration_ref(registration: dict | None) -> TraceRef | None:
