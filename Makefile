@@ -21,13 +21,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvtrace bench recorder
+	$(VENV)/bin/kvtrace demo
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) bench/recorder_overhead.py
+	$(PY) bench/connector_overhead.py --mode push
+	$(PY) bench/idle_cpu.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -137,7 +137,7 @@ class SchedulerTracing:
         """Once per schedule(): D requests whose KV arrived and that are now scheduled."""
         now = self._rec.now()
         scheduled = scheduler_output.num_scheduled_tokens
-        if not self._producer:
+        if not self._producer and self._requests:
             for request_id, state in self._requests.items():
                 if state.kv_ready_ns and not state.scheduled_ns and request_id in scheduled:
                     state.scheduled_ns = now
@@ -148,6 +148,9 @@ class SchedulerTracing:
         self._loop_ns = 0
 
     def on_connector_output(self, output: Any) -> None:
+        if not (output.finished_recving or output.finished_sending or output.failed_recving
+                or self._awaiting_first_token):
+            return  # most decode steps
         now = self._rec.now()
         report = output.kv_connector_worker_meta
         report = report if isinstance(report, WorkerReport) else WorkerReport()

@@ -107,9 +107,12 @@ class WorkerTracing:
                 self._report.ready_ns[request_id] = self._ready_ns.pop(request_id, now)
 
     def take_report(self) -> WorkerReport | None:
+        """This step's report for the scheduler, or None (most decode steps have nothing)."""
+        if not self._report:
+            return None
         with self._report_lock:
             report, self._report = self._report, WorkerReport()
-        return report if report else None
+        return report
 
     def add_request_loop_time(self, request_id: str, ns: int) -> None:
         with self._report_lock:

@@ -14,10 +14,10 @@ from kvtrace.telemetry.versions import installed_version
 _NOT_YET = {
     "collector": "the OTLP collector and store (issue 4)",
     "dashboard": "the Streamlit dashboard",
-    "demo": "the local 1P1D demo (issue 3); `kvtrace bench recorder` runs today",
 }
 
-_BENCHES = {"recorder": "recorder_overhead.py"}
+_BENCHES = {"recorder": "recorder_overhead.py", "connector": "connector_overhead.py",
+            "idle-cpu": "idle_cpu.py"}
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -38,6 +38,12 @@ def _cmd_contract(args: argparse.Namespace) -> int:
 
     print(render(), end="")
     return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvtrace import demo
+
+    return demo.main(args.demo_args)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     router_module.add_arguments(router)
     router.set_defaults(func=_cmd_router)
+    demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine, push and pull, with a "
+                          "per-stage summary", add_help=False)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_cmd_demo)
     for name, what in _NOT_YET.items():
         sub.add_parser(name, help=f"{what} — not yet").set_defaults(func=_not_yet(what))
     return parser

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -67,13 +67,17 @@ class KvtraceMetrics:
             ("mode", "role"), registry=registry)
         self._mode, self._role = mode, role
         self._exemplars = not multiprocess_mode()
+        self._loop_children: dict[str, Any] = {}
 
     def observe_stage(self, stage: str, seconds: float, trace_id: int | None) -> None:
         exemplar = {"trace_id": f"{trace_id:032x}"} if trace_id and self._exemplars else None
         self._stage.labels(stage, self._mode, self._role).observe(seconds, exemplar)
 
     def observe_engine_loop(self, seconds: float, part: str) -> None:
-        self._loop.labels(part, self._mode, self._role).observe(seconds)
+        child = self._loop_children.get(part)
+        if child is None:  # labels() costs a lookup per call: keep the child, it is per step
+            child = self._loop_children[part] = self._loop.labels(part, self._mode, self._role)
+        child.observe(seconds)
 
     def add_transfer_bytes(self, op: str, n: int) -> None:
         self._bytes.labels(op, self._mode, self._role).inc(n)

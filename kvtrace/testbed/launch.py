@@ -225,7 +225,7 @@ class LocalPair:
         def total() -> float:
             ticks = 0
             for proc in self.procs:
-                for pid in _group_pids(proc.popen.pid):
+                for pid in group_pids(proc.popen.pid):
                     with contextlib.suppress(OSError, IndexError, ValueError):
                         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                         ticks += int(fields[11]) + int(fields[12])  # utime + stime
@@ -235,7 +235,7 @@ class LocalPair:
         return 100.0 * (total() - before) / seconds
 
 
-def _group_pids(pgid: int) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
