@@ -13,6 +13,7 @@ import base64
 import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,10 @@ JSON = "application/json"
 
 class PermanentError(ValueError):
     """The data is wrong and retrying will not help (Collector: ``consumererror.NewPermanent``)."""
+
+
+class RetryLater(Exception):
+    """The receiver's consumer cannot take data now (full); the sender should retry."""
 
 
 def validate(request: ExportRequest) -> int:
@@ -122,12 +127,19 @@ class OtlpHttpReceiver:
     """``POST /v1/traces`` with ``application/x-protobuf`` or ``application/json`` bodies."""
 
     def __init__(self, consume: Consumer, host: str = "127.0.0.1", port: int = 4318, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
         self._consume = consume
         self._max_body = max_body_bytes
         self._token = bearer_token
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
+        self._scheme = "http"
+        if tls is not None:  # (certificate file, key file)
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self._scheme = "https"
         self._thread: threading.Thread | None = None
 
     @property
@@ -136,7 +148,7 @@ class OtlpHttpReceiver:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/traces"
+        return f"{self._scheme}://127.0.0.1:{self.port}/v1/traces"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvtrace-otlp-http",
@@ -191,6 +203,8 @@ class OtlpHttpReceiver:
             self._consume(request)
         except PermanentError as exc:
             return self._reply(h, HTTPStatus.BAD_REQUEST, str(exc), content_type)
+        except RetryLater as exc:
+            return self._reply(h, HTTPStatus.SERVICE_UNAVAILABLE, f"try again: {exc}", content_type)
         except Exception:
             logger.exception("kvtrace receiver: consumer failed")
             return self._reply(h, HTTPStatus.SERVICE_UNAVAILABLE, "try again", content_type)
@@ -234,6 +248,8 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             self._consume(request)
         except PermanentError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RetryLater as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"try again: {exc}")
         except Exception:
             logger.exception("kvtrace receiver: consumer failed")
             context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
@@ -248,14 +264,19 @@ class OtlpGrpcReceiver:
 
     def __init__(self, consume: Consumer, host: str = "127.0.0.1", port: int = 4317, *,
                  max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None,
-                 workers: int = 4) -> None:
+                 workers: int = 4, tls: tuple[str, str] | None = None) -> None:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-otlp-grpc"),
             options=[("grpc.max_receive_message_length", max_message_bytes)],
         )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
             _TraceService(consume, bearer_token), self._server)
-        self._port = self._server.add_insecure_port(f"{host}:{port}")
+        if tls is not None:  # (certificate file, key file)
+            cert, key = (open(path, "rb").read() for path in tls)
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            self._port = self._server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            self._port = self._server.add_insecure_port(f"{host}:{port}")
         if self._port == 0:
             raise OSError(f"could not bind the OTLP/gRPC receiver to {host}:{port}")
 

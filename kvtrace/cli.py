@@ -12,7 +12,6 @@ from kvtrace.telemetry.versions import installed_version
 
 # Subcommands whose issue has not landed yet: they say so instead of pretending.
 _NOT_YET = {
-    "collector": "the OTLP collector and store (issue 4)",
     "dashboard": "the Streamlit dashboard",
 }
 
@@ -37,6 +36,60 @@ def _cmd_contract(args: argparse.Namespace) -> int:
     from kvtrace.telemetry.contract_doc import render
 
     print(render(), end="")
+    return 0
+
+
+def _collector_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtrace.collectors import config as c
+
+    parser.add_argument("--db", default="kvtrace.duckdb", help="DuckDB file (default kvtrace.duckdb)")
+    parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--grpc-port", type=int, default=c.DEFAULT_GRPC_PORT, help="OTLP/gRPC port; -1: off")
+    parser.add_argument("--http-port", type=int, default=c.DEFAULT_HTTP_PORT, help="OTLP/HTTP port; -1: off")
+    parser.add_argument("--forward", action="append", default=[], metavar="URL",
+                        help="upstream OTLP endpoint, repeatable: grpc://host:4317 or http://host:4318/v1/traces")
+    parser.add_argument("--forward-policy", action="append", default=[], metavar="POLICY",
+                        help="all (default), errors, slow:MS, ratio:R; repeatable (any match forwards)")
+    parser.add_argument("--token", help="require this bearer token from senders")
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="... and this key (PEM)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--decision-wait", type=float, default=c.DEFAULT_DECISION_WAIT_S,
+                        help="seconds to wait after a trace's last span before attributing it")
+    parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
+
+
+def _cmd_collector(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from kvtrace.collectors.config import CollectorConfig, ForwardPolicy
+    from kvtrace.collectors.service import Collector
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = CollectorConfig(
+            db_path=args.db, wal_dir=args.wal_dir, host=args.host,
+            grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+            http_port=None if args.http_port < 0 else args.http_port,
+            forward=args.forward,
+            forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
+            bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            metrics_port=args.metrics_port, decision_wait_s=args.decision_wait, fsync=args.fsync)
+        collector = Collector(config)
+    except (ValueError, OSError) as exc:
+        print(f"kvtrace collector: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    collector.start()
+    ports = ", ".join(f"{type(r).__name__} :{r.port}" for r in collector.receivers)
+    logging.getLogger("kvtrace.collector").info("listening on %s (%s); store %s", config.host, ports, config.db_path)
+    stop.wait()
+    collector.shutdown()
     return 0
 
 
@@ -97,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     router_module.add_arguments(router)
     router.set_defaults(func=_cmd_router)
+    collector = sub.add_parser("collector", help="OTLP receiver, TTFT attribution, DuckDB store, tee to APMs")
+    _collector_arguments(collector)
+    collector.set_defaults(func=_cmd_collector)
     demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine, push and pull, with a "
                           "per-stage summary", add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)

@@ -27,7 +27,7 @@ def test_version_reports_each_component(capsys):
     assert "not installed" not in out.splitlines()[3]  # the SDK is a core dependency
 
 
-@pytest.mark.parametrize("name", ["collector", "dashboard"])
+@pytest.mark.parametrize("name", ["dashboard"])
 def test_unbuilt_commands_say_so_and_fail(name, capsys):
     assert cli.main([name]) == 2
     assert "not yet available" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""Groups spans into traces and decides when a trace is ready, as the tail-sampling processor does.
+
+Spans arrive in any order, from many processes, sometimes twice. A trace is held until
+``decision_wait`` has passed since its last span arrived (stragglers from P's release
+usually land just after D's first token), or until ``max_age`` since its first span, and
+then handed on. Memory is bounded by ``max_traces``: past it, the oldest trace is handed on
+early and counted. A span for a trace already handed on is late: the trace is handed on
+again with it (the store replaces the trace's breakdown), from a bounded cache of recently
+decided traces.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .model import SpanRow
+
+
+@dataclass
+class TraceBuffer:
+    spans: dict[str, SpanRow] = field(default_factory=dict)  # span id -> span (duplicates collapse)
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    late: bool = False
+
+
+@dataclass
+class AssemblerStats:
+    traces_decided: int = 0
+    traces_evicted: int = 0  # handed on early because max_traces was reached
+    traces_late: int = 0
+    duplicate_spans: int = 0
+
+
+class Assembler:
+    def __init__(self, on_trace: Callable[[str, list[SpanRow], bool], None], *,
+                 decision_wait_s: float = 2.0, max_age_s: float = 30.0, max_traces: int = 50_000,
+                 decided_cache: int = 50_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self._on_trace = on_trace  # (trace id, spans, late)
+        self._wait = decision_wait_s
+        self._max_age = max_age_s
+        self._max_traces = max_traces
+        self._clock = clock
+        self._pending: collections.OrderedDict[str, TraceBuffer] = collections.OrderedDict()
+        self._decided: collections.OrderedDict[str, dict[str, SpanRow]] = collections.OrderedDict()
+        self._decided_cache = decided_cache
+        self._lock = threading.Lock()
+        self.stats = AssemblerStats()
+
+    def add(self, rows: list[SpanRow]) -> None:
+        now = self._clock()
+        evicted = []
+        with self._lock:
+            for row in rows:
+                buffer = self._pending.get(row.trace_id)
+                if buffer is None:
+                    decided = self._decided.pop(row.trace_id, None)
+                    buffer = TraceBuffer(dict(decided) if decided else {}, now, now, late=decided is not None)
+                    if decided is not None:
+                        self.stats.traces_late += 1
+                    self._pending[row.trace_id] = buffer
+                if row.span_id in buffer.spans:
+                    self.stats.duplicate_spans += 1
+                buffer.spans[row.span_id] = row
+                buffer.last_seen = now
+            while len(self._pending) > self._max_traces:
+                trace_id, buffer = self._pending.popitem(last=False)
+                self.stats.traces_evicted += 1
+                evicted.append((trace_id, buffer))
+        for trace_id, buffer in evicted:
+            self._decide(trace_id, buffer)
+
+    def poll(self, flush_all: bool = False) -> int:
+        """Hand on every trace that is ready; returns how many."""
+        now = self._clock()
+        ready = []
+        with self._lock:
+            for trace_id, buffer in list(self._pending.items()):
+                if flush_all or now - buffer.last_seen >= self._wait or now - buffer.first_seen >= self._max_age:
+                    ready.append((trace_id, self._pending.pop(trace_id)))
+        for trace_id, buffer in ready:
+            self._decide(trace_id, buffer)
+        return len(ready)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _decide(self, trace_id: str, buffer: TraceBuffer) -> None:
+        self.stats.traces_decided += 1
+        with self._lock:
+            self._decided[trace_id] = buffer.spans
+            while len(self._decided) > self._decided_cache:
+                self._decided.popitem(last=False)
+        self._on_trace(trace_id, list(buffer.spans.values()), buffer.late)

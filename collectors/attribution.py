@@ -1,0 +1,309 @@
+"""Critical-path attribution of time to first token (TTFT).
+
+TTFT runs from the router's arrival (``pd.request`` start) to the first token the router
+saw (``kvtrace.router.ttft_ns``). The path is walked back from D's ``engine.first_token``:
+at each stage, the predecessor that finished last (among the stages it depends on, per
+mode) is taken, and the stage is charged only for the time after that predecessor ended —
+so the part of a push rendezvous that waited for a prefill still running is charged to the
+prefill (``registration_first``), while a rendezvous that waited for D's registration
+(``kv_first``) is charged to coordination. Time between stages that no span covers (HTTP,
+tokenisation, the first chunk's way back to the router) is ``unattributed``. Segments are
+contiguous and clipped to [arrival, first token], so the categories sum to TTFT exactly and
+none is negative.
+
+Spans from different hosts are put on the router's clock with a per-instance offset
+estimated from causally ordered pairs (P admitted after the router routed; D's first token
+before the router saw it; P's WRITE posted before D saw it land; D's registration sent
+before P received it). Each pair bounds the offset on one side; bounds from recent traces
+are intersected per instance. When zero lies inside them the clocks are taken as they are;
+otherwise the offset is the middle of the intersection.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+from kvtrace.telemetry import semconv
+from kvtrace.telemetry.semconv import Category
+
+from .model import SpanRow
+
+ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+_SIDES = {"router": ROUTER, "producer": PREFILL, "consumer": DECODE}
+ROUTE = (ROUTER, "pd.route")
+ROOT = (ROUTER, "pd.request")
+
+# For each stage on the critical path, the stages it waits for (the one that ended last wins).
+PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
+    "push": {
+        (DECODE, "first_token"): [(DECODE, "d_queue")],
+        (DECODE, "d_queue"): [(DECODE, "completion")],
+        (DECODE, "completion"): [(PREFILL, "write")],
+        (PREFILL, "write"): [(PREFILL, "descriptor_prep")],
+        (PREFILL, "descriptor_prep"): [(PREFILL, "handshake"), (PREFILL, "rendezvous")],
+        (PREFILL, "handshake"): [(PREFILL, "rendezvous")],
+        (PREFILL, "rendezvous"): [(PREFILL, "prefill"), (PREFILL, "registration")],
+        (PREFILL, "registration"): [(DECODE, "registration")],
+        (DECODE, "registration"): [(DECODE, "allocation")],
+        (DECODE, "allocation"): [ROUTE],
+        (PREFILL, "prefill"): [(PREFILL, "p_queue")],
+        (PREFILL, "p_queue"): [ROUTE],
+        ROUTE: [],
+    },
+    "pull": {
+        (DECODE, "first_token"): [(DECODE, "d_queue")],
+        (DECODE, "d_queue"): [(DECODE, "completion")],
+        (DECODE, "completion"): [(DECODE, "read")],
+        (DECODE, "read"): [(DECODE, "descriptor_prep")],
+        (DECODE, "descriptor_prep"): [(DECODE, "handshake"), (DECODE, "allocation")],
+        (DECODE, "handshake"): [(DECODE, "allocation")],
+        (DECODE, "allocation"): [(ROUTER, "registration")],
+        (ROUTER, "registration"): [(PREFILL, "prefill")],
+        (PREFILL, "prefill"): [(PREFILL, "p_queue")],
+        (PREFILL, "p_queue"): [ROUTE],
+        ROUTE: [],
+    },
+}
+OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
+EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
+_CATEGORY = {spec.span_name if stage.name.startswith("PD_") else stage.name.lower(): spec.category
+             for stage, spec in semconv.STAGES.items()}
+CATEGORIES = (Category.COMPUTE, Category.QUEUE, Category.COORDINATION, Category.WIRE, Category.UNATTRIBUTED)
+
+
+def side_of(span: SpanRow) -> str:
+    return _SIDES.get(span.role, span.service)
+
+
+def key_of(span: SpanRow) -> tuple[str, str]:
+    return side_of(span), span.name if span.name.startswith("pd.") else span.stage
+
+
+@dataclass
+class StageTiming:
+    side: str
+    stage: str
+    category: str
+    start: int  # on the router's clock
+    end: int
+    critical_ns: int = 0
+
+    @property
+    def duration(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Breakdown:
+    trace_id: str
+    request_id: str
+    mode: str
+    start_ns: int
+    ttft_ns: int
+    parts: dict[str, int]
+    stages: list[StageTiming]
+    complete: bool
+    missing: list[str]
+    error: bool
+    rendezvous_order: str = ""
+    engine_loop_ns: int = 0
+    transfer_bytes: int = 0
+    transfer_post_us: int = 0
+    transfer_xfer_us: int = 0
+    prompt_tokens: int = 0
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    offsets_ns: dict[str, int] = field(default_factory=dict)
+
+
+class OffsetEstimator:
+    """Per-instance clock offset (add to the instance's times to get the reference clock)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._bounds: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+
+    def add(self, instance: str, lower: float | None, upper: float | None) -> None:
+        if lower is not None or upper is not None:
+            self._bounds[instance].append((lower, upper))
+
+    def estimate(self, instance: str) -> int:
+        bounds = self._bounds.get(instance)
+        if not bounds:
+            return 0
+        lowers = [lo for lo, _ in bounds if lo is not None]
+        uppers = [up for _, up in bounds if up is not None]
+        lower = max(lowers) if lowers else None
+        upper = min(uppers) if uppers else None
+        if lower is not None and upper is not None and lower > upper:
+            # Jitter made the intersection empty: fall back to the typical per-trace middle.
+            mids = [(lo + up) / 2 for lo, up in bounds if lo is not None and up is not None]
+            return int(statistics.median(mids)) if mids else int((lower + upper) / 2)
+        if (lower is None or lower <= 0) and (upper is None or upper >= 0):
+            return 0  # the clocks are consistent with every causal pair seen: no correction
+        if lower is not None and upper is not None:
+            return int((lower + upper) / 2)  # skew proven: the middle of what is possible
+        return int(lower if lower is not None else upper)
+
+
+class Attributor:
+    def __init__(self) -> None:
+        self.offsets = OffsetEstimator()
+
+    def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown:
+        index: dict[tuple[str, str], SpanRow] = {}
+        for span in sorted(spans, key=lambda s: s.start):
+            index.setdefault(key_of(span), span)
+        root = index.get(ROOT)
+        mode = next((s.mode for s in spans if s.mode), "push")
+        if mode not in PREDECESSORS:
+            mode = "push"
+        offsets = self._offsets(index, root, mode)
+
+        def on_ref(span: SpanRow) -> tuple[int, int]:
+            off = offsets.get(span.instance, 0)
+            return span.start + off, span.end + off
+
+        timings = {key: StageTiming(key[0], key[1], _category(key[1]).value, *on_ref(span))
+                   for key, span in index.items()}
+        first = timings.get((DECODE, "first_token"))
+        if root is not None:
+            start = root.start
+            ttft = root.attrs.get("kvtrace.router.ttft_ns")
+            end = start + int(ttft) if ttft else (first.end if first else root.end)
+        else:
+            start = min(t.start for t in timings.values())
+            end = first.end if first else max(t.end for t in timings.values())
+        parts = self._walk(timings, PREDECESSORS[mode], start, end)
+
+        missing = sorted(f"{side}:{stage}" for side, stage in EXPECTED[mode] - set(index))
+        breakdown = Breakdown(
+            trace_id=trace_id, request_id=_request_id(spans), mode=mode, start_ns=start,
+            ttft_ns=end - start, parts=parts, stages=sorted(timings.values(), key=lambda t: t.start),
+            complete=not missing, missing=missing, error=any(s.status == 2 for s in spans),
+            offsets_ns={inst: off for inst, off in offsets.items() if off},
+        )
+        self._details(breakdown, index, spans)
+        return breakdown
+
+    # ------------------------------------------------------------------ the walk
+
+    @staticmethod
+    def _walk(timings: dict[tuple[str, str], StageTiming], graph, start: int, end: int) -> dict[str, int]:
+        parts = {c.value: 0 for c in CATEGORIES}
+        if end <= start:
+            return parts
+
+        def charge(category: str, a: int, b: int) -> None:
+            parts[category] += b - a
+
+        node_key = (DECODE, "first_token")
+        if node_key not in timings:  # no first token: start from whatever ended last
+            candidates = [k for k, t in timings.items() if k != ROOT]
+            node_key = max(candidates, key=lambda k: timings[k].end) if candidates else None
+        t = end
+        while node_key is not None and t > start:
+            node = timings[node_key]
+            preds = [p for p in graph.get(node_key, []) if p in timings]
+            if node_key not in graph:  # off the known graph: anything that ended before it
+                preds = [k for k, s in timings.items() if k not in (ROOT, node_key) and s.end <= node.start]
+            pred_key = max(preds, key=lambda k: timings[k].end) if preds else None
+            seg_end = max(min(node.end, t), start)
+            seg_start = max(node.start, timings[pred_key].end if pred_key else start, start)
+            seg_start = min(seg_start, seg_end)
+            if seg_end < t:
+                charge(Category.UNATTRIBUTED.value, seg_end, t)
+            charge(node.category, seg_start, seg_end)
+            node.critical_ns = seg_end - seg_start
+            t = seg_start
+            node_key = pred_key
+        if t > start:
+            charge(Category.UNATTRIBUTED.value, start, t)
+        return parts
+
+    # ------------------------------------------------------------------ clocks
+
+    def _offsets(self, index: dict[tuple[str, str], SpanRow], root: SpanRow | None, mode: str) -> dict[str, int]:
+        """Offsets to the router's clock (or P's, without a router) for each instance."""
+        offsets: dict[str, int] = {}
+        get = index.get
+        p_any = next((s for (side, _), s in index.items() if side == PREFILL), None)
+        d_any = next((s for (side, _), s in index.items() if side == DECODE), None)
+        if root is not None:
+            offsets[root.instance] = 0
+            route_end = get(ROUTE).end if get(ROUTE) else root.start
+            ttft = root.attrs.get("kvtrace.router.ttft_ns")
+            first_token_at_router = root.start + int(ttft) if ttft else root.end
+            if p_any is not None:
+                lower = route_end - get((PREFILL, "p_queue")).start if get((PREFILL, "p_queue")) else None
+                upper = None
+                if get((ROUTER, "registration")) and get((PREFILL, "prefill")):
+                    upper = get((ROUTER, "registration")).start - get((PREFILL, "prefill")).end
+                elif get((PREFILL, "prefill")):
+                    upper = first_token_at_router - get((PREFILL, "prefill")).end
+                self.offsets.add(p_any.instance, lower, upper)
+                offsets[p_any.instance] = self.offsets.estimate(p_any.instance)
+            if d_any is not None:
+                after = get((ROUTER, "registration")).end if mode == "pull" and get((ROUTER, "registration")) \
+                    else route_end
+                lower = after - get((DECODE, "allocation")).start if get((DECODE, "allocation")) else None
+                upper = first_token_at_router - get((DECODE, "first_token")).end \
+                    if get((DECODE, "first_token")) else None
+                lower, upper = self._tighten_with_prefill(index, offsets.get(p_any.instance, 0) if p_any else 0,
+                                                          lower, upper)
+                self.offsets.add(d_any.instance, lower, upper)
+                offsets[d_any.instance] = self.offsets.estimate(d_any.instance)
+        elif p_any is not None and d_any is not None:
+            offsets[p_any.instance] = 0
+            lower, upper = self._tighten_with_prefill(index, 0, None, None)
+            self.offsets.add(d_any.instance, lower, upper)
+            offsets[d_any.instance] = self.offsets.estimate(d_any.instance)
+        return offsets
+
+    @staticmethod
+    def _tighten_with_prefill(index, p_offset: int, lower, upper):
+        """Push: D's registration left before P received it; P posted the WRITE before D saw it land."""
+        get = index.get
+        d_reg, p_reg = get((DECODE, "registration")), get((PREFILL, "registration"))
+        if d_reg is not None and p_reg is not None:
+            bound = p_reg.start + p_offset - d_reg.end
+            upper = bound if upper is None else min(upper, bound)
+        write, d_done = get((PREFILL, "write")), get((DECODE, "completion"))
+        if write is not None and d_done is not None:
+            bound = write.start + p_offset - d_done.start
+            lower = bound if lower is None else max(lower, bound)
+        return lower, upper
+
+    # ------------------------------------------------------------------ details
+
+    @staticmethod
+    def _details(breakdown: Breakdown, index, spans: list[SpanRow]) -> None:
+        for span in spans:
+            attrs = span.attrs
+            if span.stage == "rendezvous":
+                breakdown.rendezvous_order = str(attrs.get(semconv.ATTR_RENDEZVOUS_ORDER) or "")
+            if span.stage in ("write", "read"):
+                breakdown.transfer_bytes += int(attrs.get(semconv.ATTR_TRANSFER_BYTES) or 0)
+                breakdown.transfer_post_us += int(attrs.get(semconv.ATTR_TRANSFER_POST_US) or 0)
+                breakdown.transfer_xfer_us += int(attrs.get(semconv.ATTR_TRANSFER_XFER_US) or 0)
+            breakdown.engine_loop_ns += int(attrs.get(semconv.ATTR_ENGINE_LOOP_NS) or 0)
+            tokens = attrs.get(semconv.ATTR_INPUT_TOKENS)
+            if tokens:
+                breakdown.prompt_tokens = max(breakdown.prompt_tokens, int(tokens))
+            side = side_of(span)
+            if side == PREFILL:
+                breakdown.prefill_instance = span.instance
+            elif side == DECODE:
+                breakdown.decode_instance = span.instance
+
+
+def _category(stage: str) -> Category:
+    return _CATEGORY.get(stage, Category.COORDINATION)
+
+
+def _request_id(spans: list[SpanRow]) -> str:
+    for span in spans:
+        if span.name == "pd.request" and span.attrs.get(semconv.ATTR_REQUEST_ID):
+            return str(span.attrs[semconv.ATTR_REQUEST_ID])
+    return next((str(s.attrs[semconv.ATTR_REQUEST_ID]) for s in spans if s.attrs.get(semconv.ATTR_REQUEST_ID)), "")

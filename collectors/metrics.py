@@ -1,0 +1,87 @@
+"""Prometheus metrics of the collector: what the attribution found, and how the collector fares.
+
+Attribution: ``kvtrace_ttft_seconds{mode}`` and ``kvtrace_ttft_part_seconds{mode,category}``
+(each request's TTFT and its split on the critical path). The collector itself: spans in,
+requests refused (busy, bad data), traces decided / incomplete / late, and per upstream the
+spans forwarded, failed attempts, batches dropped and backlog — the last group read from the
+forwarders' own counters when scraped, so forwarding costs nothing extra per span.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .attribution import CATEGORIES, Breakdown
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PART_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class CollectorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._spans = Counter("kvtrace_collector_spans_received_total", "Spans accepted.", registry=r)
+        self._rejected = Counter("kvtrace_collector_requests_rejected_total",
+                                 "Export requests refused or failed, by reason.", ("reason",), registry=r)
+        self._traces = Counter("kvtrace_collector_traces_total", "Traces decided, by mode and completeness.",
+                               ("mode", "complete"), registry=r)
+        self._late = Counter("kvtrace_collector_traces_late_total",
+                             "Traces decided again because spans arrived after the decision.", registry=r)
+        self._ttft = Histogram("kvtrace_ttft_seconds", "Time to first token seen by the router.", ("mode",),
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._parts = Histogram("kvtrace_ttft_part_seconds", "Each category's share of one request's TTFT.",
+                                ("mode", "category"), buckets=PART_BUCKETS, registry=r)
+
+    def watch(self, collector: Any) -> None:
+        """Expose the forwarders' and assembler's own counters at scrape time."""
+        self.registry.register(_Live(collector))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def spans_received(self, n: int) -> None:
+        self._spans.inc(n)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason).inc()
+
+    def trace(self, breakdown: Breakdown, late: bool) -> None:
+        self._traces.labels(breakdown.mode, str(breakdown.complete).lower()).inc()
+        if late:
+            self._late.inc()
+        if breakdown.ttft_ns > 0:
+            self._ttft.labels(breakdown.mode).observe(breakdown.ttft_ns / 1e9)
+            for category in CATEGORIES:
+                self._parts.labels(breakdown.mode, category.value).observe(
+                    breakdown.parts.get(category.value, 0) / 1e9)
+
+
+class _Live:
+    def __init__(self, collector: Any) -> None:
+        self._collector = collector
+
+    def collect(self):
+        forwarded = CounterMetricFamily("kvtrace_collector_forwarded_spans", "Spans sent upstream.",
+                                        labels=["upstream"])
+        failures = CounterMetricFamily("kvtrace_collector_forward_failures", "Failed forward attempts.",
+                                       labels=["upstream"])
+        dropped = CounterMetricFamily("kvtrace_collector_forward_dropped", "Batches given up on.",
+                                      labels=["upstream"])
+        backlog = GaugeMetricFamily("kvtrace_collector_forward_backlog", "Batches waiting.", labels=["upstream"])
+        for upstream in self._collector.upstreams:
+            forwarded.add_metric([upstream.url], upstream.stats.forwarded_spans)
+            failures.add_metric([upstream.url], upstream.stats.failures)
+            dropped.add_metric([upstream.url], upstream.stats.dropped)
+            backlog.add_metric([upstream.url], upstream.backlog())
+        stats = self._collector.assembler.stats
+        pending = GaugeMetricFamily("kvtrace_collector_traces_pending", "Traces waiting for their decision.",
+                                    value=self._collector.assembler.pending())
+        evicted = CounterMetricFamily("kvtrace_collector_traces_evicted", "Traces decided early (memory bound).",
+                                      value=stats.traces_evicted)
+        duplicates = CounterMetricFamily("kvtrace_collector_duplicate_spans", "Spans received twice.",
+                                         value=stats.duplicate_spans)
+        yield from (forwarded, failures, dropped, backlog, pending, evicted, duplicates)

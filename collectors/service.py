@@ -1,0 +1,207 @@
+"""The collector pipeline: receivers → write-ahead log → decode → store + assembler → attribution,
+with a tee to upstream APMs.
+
+``consume`` (called by a receiver thread) only reserves queue space, appends the request to
+the write-ahead log and enqueues it; the sender is acknowledged after that, and a full
+queue answers "try again" (503 / UNAVAILABLE) before anything is written. One pipeline
+thread does the rest, so ingestion is decoupled from the store, the attribution and every
+upstream. Start order is downstream first; shutdown is upstream first, flushing each stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import zlib
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+import kvtrace
+
+from .assembler import Assembler
+from .attribution import Attributor, Breakdown
+from .config import CollectorConfig
+from .forwarder import Upstream
+from .metrics import CollectorMetrics
+from .model import SpanRow, decode
+from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
+from .store import Store
+from .wal import WriteAheadLog
+
+logger = logging.getLogger(__name__)
+
+
+class Busy(RetryLater):
+    """The pipeline is full: the receiver answers 503 / UNAVAILABLE, and the sender retries."""
+
+
+class Collector:
+    def __init__(self, config: CollectorConfig) -> None:
+        config.validate()
+        self.config = config
+        self.store = Store(config.db_path)
+        self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync)
+        self.metrics = CollectorMetrics()
+        self.attributor = Attributor()
+        self.assembler = Assembler(self._on_trace, decision_wait_s=config.decision_wait_s,
+                                   max_age_s=config.max_age_s, max_traces=config.max_traces,
+                                   decided_cache=min(config.max_traces, 2_000))
+        self.upstreams = [Upstream(url) for url in config.forward]
+        self._tee_all = any(p.kind == "all" for p in config.forward_policies)
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.BoundedSemaphore(config.queue_requests)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtrace-pipeline", daemon=True)
+        self.receivers: list[Any] = []
+        self._replaying = False
+        self.metrics.watch(self)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        c = self.config
+        self.store.start(kvtrace.__version__, {k: v for k, v in vars(c).items() if k != "bearer_token"})
+        for upstream in self.upstreams:
+            upstream.start()
+        self._replay()
+        self._thread.start()
+        if c.metrics_port is not None:
+            self.metrics.serve(c.metrics_port, c.host)
+        if c.grpc_port is not None:
+            self.receivers.append(OtlpGrpcReceiver(self.consume, c.host, c.grpc_port, bearer_token=c.bearer_token,
+                                                   max_message_bytes=c.max_body_bytes, tls=self._tls()))
+        if c.http_port is not None:
+            self.receivers.append(OtlpHttpReceiver(self.consume, c.host, c.http_port, bearer_token=c.bearer_token,
+                                                   max_body_bytes=c.max_body_bytes, tls=self._tls()))
+        for receiver in self.receivers:
+            receiver.start()
+
+    def _tls(self) -> tuple[str, str] | None:
+        return (self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
+
+    def shutdown(self) -> None:
+        for receiver in self.receivers:
+            receiver.shutdown()
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.assembler.poll(flush_all=True)
+        self.store.shutdown()
+        for upstream in self.upstreams:
+            upstream.shutdown()
+        self.wal.close()
+
+    # ------------------------------------------------------------------ ingestion (receiver threads)
+
+    def consume(self, request: ExportTraceServiceRequest) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.metrics.rejected("busy")
+            raise Busy("pipeline full")
+        try:
+            position = self.wal.append(request.SerializeToString())
+        except Exception:
+            self._slots.release()
+            raise
+        self._queue.put((position, request))
+
+    # ------------------------------------------------------------------ pipeline thread
+
+    def _run(self) -> None:
+        while not (self._stop.is_set() and self._queue.empty()):
+            try:
+                position, request = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                self.assembler.poll()
+                continue
+            try:
+                self._process(request, position)
+            except Exception:
+                logger.exception("kvtrace collector: could not process a request")
+                self.metrics.rejected("processing_error")
+            finally:
+                self._slots.release()
+            if self._queue.empty():
+                self.assembler.poll()
+
+    def _process(self, request: ExportTraceServiceRequest, position: tuple[int, int] | None) -> None:
+        rows = decode(request)
+        self.metrics.spans_received(len(rows))
+        self.store.add_spans(rows, position)
+        self.assembler.add(rows)
+        if self._tee_all and not self._replaying:
+            for upstream in self.upstreams:
+                upstream.consume(request)
+
+    def _on_trace(self, trace_id: str, spans: list[SpanRow], late: bool) -> None:
+        if self._replaying:
+            spans = self._with_stored(trace_id, spans)
+        breakdown = self.attributor.attribute(trace_id, spans)
+        self.store.add_breakdown(breakdown)
+        self.metrics.trace(breakdown, late)
+        if not self._tee_all and not self._replaying and self.upstreams and self._selected(breakdown):
+            request = rebuild_request(spans)
+            for upstream in self.upstreams:
+                upstream.consume(request)
+
+    def _selected(self, breakdown: Breakdown) -> bool:
+        for policy in self.config.forward_policies:
+            if policy.kind == "errors" and breakdown.error:
+                return True
+            if policy.kind == "slow" and breakdown.ttft_ns >= policy.value * 1e6:
+                return True
+            if policy.kind == "ratio" and (zlib.crc32(breakdown.trace_id.encode()) / 2**32) < policy.value:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ restart
+
+    def _replay(self) -> None:
+        """Apply what the log holds beyond the store's last commit (after a crash or kill)."""
+        after = self.store.wal_position()
+        self._replaying = True
+        replayed = 0
+        try:
+            for position, payload in self.wal.replay(after):
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(payload)
+                self._process(request, position)
+                replayed += 1
+            self.assembler.poll(flush_all=True)
+            self.store.flush()
+        finally:
+            self._replaying = False
+        if replayed:
+            logger.info("kvtrace collector: replayed %d requests from the write-ahead log", replayed)
+        self.wal.truncate_before(self.store.wal_position())
+
+    def _with_stored(self, trace_id: str, spans: list[SpanRow]) -> list[SpanRow]:
+        """Spans of this trace committed before the restart, so its breakdown is whole."""
+        known = {s.span_id for s in spans}
+        for row in self.store.stored_rows(trace_id):
+            if row.span_id not in known:
+                known.add(row.span_id)
+                spans.append(row)
+        return spans
+
+
+def rebuild_request(spans: list[SpanRow]) -> ExportTraceServiceRequest:
+    """One request holding the trace's original spans, each under its original resource and scope."""
+    request = ExportTraceServiceRequest()
+    groups: dict[tuple[int, int], Any] = {}
+    resources: dict[int, Any] = {}
+    for row in spans:
+        key = (id(row.resource), id(row.scope))
+        scope_spans = groups.get(key)
+        if scope_spans is None:
+            resource_spans = resources.get(id(row.resource))
+            if resource_spans is None:
+                resource_spans = resources[id(row.resource)] = request.resource_spans.add()
+                if row.resource is not None:
+                    resource_spans.resource.CopyFrom(row.resource)
+            scope_spans = groups[key] = resource_spans.scope_spans.add()
+            if row.scope is not None:
+                scope_spans.scope.CopyFrom(row.scope)
+        scope_spans.spans.add().CopyFrom(row.proto)
+    return request

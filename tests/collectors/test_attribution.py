@@ -1,0 +1,81 @@
+"""Critical-path attribution on traces built to the contract."""
+
+import pytest
+
+from kvtrace.collectors.attribution import Attributor
+from kvtrace.collectors.model import decode
+from tests.collectors.traces import MS, build
+
+
+def attribute(built, attributor=None):
+    rows = [row for request in built.requests for row in decode(request)]
+    return (attributor or Attributor()).attribute(built.trace_id, rows)
+
+
+def check_invariants(breakdown):
+    assert sum(breakdown.parts.values()) == breakdown.ttft_ns
+    assert all(v >= 0 for v in breakdown.parts.values()), breakdown.parts
+    assert all(s.critical_ns >= 0 and s.duration >= 0 for s in breakdown.stages)
+
+
+@pytest.mark.parametrize("mode, order", [("push", "registration_first"), ("push", "kv_first"), ("pull", "")])
+def test_categories_are_exact_and_sum_to_ttft(mode, order):
+    built = build(mode, order or "registration_first")
+    breakdown = attribute(built)
+    check_invariants(breakdown)
+    assert breakdown.ttft_ns == built.ttft_ns
+    assert breakdown.parts == built.expected
+    assert breakdown.complete and not breakdown.missing and not breakdown.error
+    assert breakdown.mode == mode
+    assert breakdown.request_id == "cmpl-x-0"
+    assert breakdown.transfer_bytes == 2_097_152 and breakdown.prompt_tokens == 2000
+    if mode == "push":
+        assert breakdown.rendezvous_order == order
+
+
+def test_registration_first_charges_the_wait_to_prefill_kv_first_to_the_registration():
+    reg_first = {(s.side, s.stage): s for s in attribute(build("push", "registration_first")).stages}
+    kv_first = {(s.side, s.stage): s for s in attribute(build("push", "kv_first")).stages}
+    # The rendezvous span lasts 32 ms, but only the 2 ms after prefill ended are critical.
+    assert reg_first[("prefill", "rendezvous")].duration == 32 * MS
+    assert reg_first[("prefill", "rendezvous")].critical_ns == 2 * MS
+    assert reg_first[("prefill", "prefill")].critical_ns == 144 * MS
+    # kv_first: P waited 18 ms for D's registration, so the path runs through D's registration.
+    assert kv_first[("prefill", "rendezvous")].duration == 18 * MS
+    assert kv_first[("decode", "registration")].critical_ns == 161 * MS
+    assert kv_first[("prefill", "prefill")].critical_ns == 0
+
+
+def test_failed_transfer_is_flagged():
+    breakdown = attribute(build("pull", fail="read"))
+    assert breakdown.error
+    check_invariants(breakdown)
+
+
+@pytest.mark.parametrize("drop", ["prefill", "decode", "router", "decode:completion", "prefill:write"])
+def test_missing_halves_are_incomplete_but_consistent(drop):
+    breakdown = attribute(build("push", drop={drop}))
+    assert not breakdown.complete and breakdown.missing
+    check_invariants(breakdown)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("skew", [50, -50])
+def test_clock_skew_is_estimated_and_never_makes_a_stage_negative(mode, skew):
+    attributor = Attributor()
+    breakdowns = [attribute(build(mode, skew_ms={"decode": skew}), attributor) for _ in range(20)]
+    for breakdown in breakdowns:
+        check_invariants(breakdown)
+    last = breakdowns[-1]
+    # D's times are shifted by `skew` ms; the estimate brings them back within a few ms.
+    assert abs(last.offsets_ns["decode-0"] + skew * MS) <= 5 * MS, last.offsets_ns
+    unskewed = attribute(build(mode))
+    for category, ns in unskewed.parts.items():
+        assert abs(last.parts[category] - ns) <= 5 * MS, (category, last.parts, unskewed.parts)
+
+
+def test_same_host_needs_no_correction():
+    attributor = Attributor()
+    for _ in range(5):
+        breakdown = attribute(build("push"), attributor)
+    assert breakdown.offsets_ns == {}

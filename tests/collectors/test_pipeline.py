@@ -1,0 +1,61 @@
+"""The collector end to end in-process: contract traces in any order, attribution, store."""
+
+import pytest
+
+from tests.collectors.conftest import wait_until
+from tests.collectors.traces import MS, build, shuffled_span_requests
+
+CATEGORIES = ("compute", "queue", "coordination", "wire", "unattributed")
+
+
+def requests_rows(collector):
+    collector.store.flush()
+    return collector.store.query(
+        "SELECT trace_id, mode, ttft_ms, compute_ms, queue_ms, coordination_ms, wire_ms, unattributed_ms, "
+        "complete, error, rendezvous_order, missing FROM requests ORDER BY trace_id")
+
+
+def test_shuffled_duplicated_skewed_traces_are_attributed_exactly(make_collector):
+    collector = make_collector()
+    cases = [build("push", "registration_first"), build("push", "kv_first"), build("pull"),
+             build("pull", fail="read"), build("push", drop={"decode"}), build("pull", drop={"prefill"}),
+             build("push", skew_ms={"decode": 50}, hosts="fast"),
+             build("pull", skew_ms={"decode": -50}, hosts="slow")]
+    for request in shuffled_span_requests(cases):
+        collector.consume(request)
+    assert wait_until(lambda: len(requests_rows(collector)) == len(cases))
+    rows = {r[0]: r for r in requests_rows(collector)}
+    for built in cases:
+        (_, mode, ttft, *parts), complete, error, order, missing = rows[built.trace_id][:8], *rows[built.trace_id][8:]
+        assert sum(parts) == pytest.approx(ttft, abs=1e-6)
+        assert all(p >= 0 for p in parts)
+        assert ttft == pytest.approx(built.ttft_ns / MS)
+    exact = cases[:4]  # same clocks, both halves: the numbers are known
+    for built in exact:
+        parts = dict(zip(CATEGORIES, rows[built.trace_id][3:8]))
+        assert parts == pytest.approx({k: v / MS for k, v in built.expected.items()}, abs=1e-6)
+    assert rows[cases[1].trace_id][10] == "kv_first" and rows[cases[0].trace_id][10] == "registration_first"
+    assert rows[cases[3].trace_id][9] is True  # the failed READ
+    for incomplete in cases[4:6]:
+        assert rows[incomplete.trace_id][8] is False and rows[incomplete.trace_id][11]
+    spans = collector.store.query("SELECT count(*), count(DISTINCT trace_id || span_id) FROM spans")[0]
+    total = sum(len(ss.spans) for b in cases for r in b.requests for rs in r.resource_spans for ss in rs.scope_spans)
+    assert spans[1] == total and spans[0] > total  # every span stored; retried duplicates kept raw
+    stages = collector.store.query("SELECT count(*) FROM stages WHERE critical_ms < 0 OR duration_ms < 0")[0][0]
+    assert stages == 0
+
+
+def test_late_span_replaces_the_breakdown(make_collector):
+    collector = make_collector()
+    built = build("push")
+    requests = shuffled_span_requests([built], seed=3)
+    late = next(r for r in requests if r.resource_spans[0].scope_spans[0].spans[0].name == "engine.first_token")
+    early = [r for r in requests if r.resource_spans[0].scope_spans[0].spans[0].name != "engine.first_token"]
+    for request in early:
+        collector.consume(request)
+    assert wait_until(lambda: len(requests_rows(collector)) == 1)
+    assert requests_rows(collector)[0][8] is False  # first decision: no first token yet
+    collector.consume(late)
+    assert wait_until(lambda: requests_rows(collector)[0][8] is True)
+    assert collector.assembler.stats.traces_late == 1
+    assert collector.store.query("SELECT count(*) FROM requests")[0][0] == 1

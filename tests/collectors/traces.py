@@ -1,0 +1,142 @@
+"""Traces built to the contract, through kvtrace's own recorder and the OTLP encoder.
+
+Each service (router, P, D) records with its own :class:`Recorder` and resource, exactly
+as in production; only the wall-clock offset is pinned so expected numbers are exact, and
+``skew_ms`` shifts one service's clock to model hosts that disagree.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvtrace.telemetry import Mode, Role, TelemetryConfig, build_resource, semconv
+from kvtrace.telemetry.context import TraceRef, new_span_id, new_trace_id
+from kvtrace.telemetry.recorder import Recorder
+from kvtrace.telemetry.semconv import Stage
+
+BASE_NS = 1_790_000_000_000_000_000  # wall clock of t=0 (late 2026)
+MS = 1_000_000
+
+
+@dataclass
+class Built:
+    trace_id: str
+    requests: list  # ExportTraceServiceRequest, one per service
+    expected: dict[str, int]  # category -> ns, when the test states it
+    ttft_ns: int
+
+
+def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str) -> tuple[Recorder, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    config = TelemetryConfig.load({}, {})
+    resource = build_resource(config, role, mode, engine_id=instance,
+                              extra={semconv.RES_SERVICE_INSTANCE_ID: instance})
+    recorder = Recorder(exporter, resource, schedule_delay_ms=60_000)
+    recorder._offset_ns = BASE_NS + int(skew_ms * MS)  # pinned: times below are exact
+    return recorder, exporter
+
+
+def build(mode: str = "push", order: str = "registration_first", skew_ms: dict | None = None,
+          drop: set[str] = frozenset(), fail: str | None = None, request_id: str = "cmpl-x-0",
+          hosts: str = "0") -> Built:
+    """One request. ``drop`` removes services ("router", "prefill", "decode") or stages
+    ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed."""
+    skew = skew_ms or {}
+    m = Mode(mode)
+    rec = {
+        "router": _recorder(Role.ROUTER, m, skew.get("router", 0), f"router-{hosts}"),
+        "prefill": _recorder(Role.PRODUCER, m, skew.get("prefill", 0), f"prefill-{hosts}"),
+        "decode": _recorder(Role.CONSUMER, m, skew.get("decode", 0), f"decode-{hosts}"),
+    }
+    trace_id, root_id = new_trace_id(), new_span_id()
+    ref = TraceRef(trace_id, root_id)
+    attrs = {semconv.ATTR_REQUEST_ID: request_id}
+
+    def put(service: str, stage: Stage, start_ms: float, end_ms: float, extra=None, span_id=0, parent=ref):
+        name = stage.name.lower()
+        if service in drop or f"{service}:{name}" in drop:
+            return
+        error = semconv.FailureCause.TRANSFER_FAILED.value if fail == name else None
+        rec[service][0].record(parent, stage, int(start_ms * MS), int(end_ms * MS), {**attrs, **(extra or {})},
+                               span_id=span_id, error=error)
+
+    expected: dict[str, int] = {}
+    put("router", Stage.PD_ROUTE, 0, 1)
+    put("prefill", Stage.P_QUEUE, 5, 6)
+    put("prefill", Stage.PREFILL, 6, 150, {semconv.ATTR_INPUT_TOKENS: 2000})
+    if mode == "push":
+        put("decode", Stage.ALLOCATION, 6, 7)
+        if order == "registration_first":
+            put("decode", Stage.REGISTRATION, 7, 9)
+            put("prefill", Stage.REGISTRATION, 120, 120)
+            put("prefill", Stage.RENDEZVOUS, 120, 152, {semconv.ATTR_RENDEZVOUS_ORDER: "registration_first"})
+            r_end = 152
+        else:  # D registered late: P's blocks waited 18 ms
+            put("decode", Stage.REGISTRATION, 7, 168)
+            put("prefill", Stage.REGISTRATION, 170, 170)
+            put("prefill", Stage.RENDEZVOUS, 152, 170, {semconv.ATTR_RENDEZVOUS_ORDER: "kv_first"})
+            r_end = 170
+        put("prefill", Stage.DESCRIPTOR_PREP, r_end, r_end + 1)
+        put("prefill", Stage.WRITE, r_end + 1, r_end + 6, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
+        put("prefill", Stage.COMPLETION, r_end + 6, r_end + 7)
+        d_ready = r_end + 6
+        put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 1500})
+        if order == "registration_first":
+            # route 1, rendezvous after prefill ended 2, prep 1, D completion 2; prefill on the path
+            expected = {"compute": (150 - 6) + 7, "queue": 1 + 1, "coordination": 1 + 2 + 1 + 2, "wire": 5}
+        else:
+            # P's blocks waited for D's registration, so the path runs through D: route 1,
+            # allocation 1, D's registration 161, prep 1, D completion 2; prefill is off the path
+            expected = {"compute": 7, "queue": 1, "coordination": 1 + 1 + 161 + 1 + 2, "wire": 5}
+    else:
+        put("router", Stage.REGISTRATION, 151, 151.5)
+        put("decode", Stage.ALLOCATION, 160, 161)
+        put("decode", Stage.DESCRIPTOR_PREP, 161, 162, {semconv.ATTR_ON_ENGINE_LOOP: True})
+        put("decode", Stage.READ, 162, 170, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
+        put("prefill", Stage.COMPLETION, 170.5, 171)
+        d_ready = 170
+        put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 90_000})
+        expected = {"compute": 144 + 7, "queue": 2, "coordination": 1 + 0.5 + 1 + 1 + 2, "wire": 8}
+    put("decode", Stage.D_QUEUE, d_ready + 2, d_ready + 3)
+    put("decode", Stage.FIRST_TOKEN, d_ready + 3, d_ready + 10)
+    ttft_ms = d_ready + 11
+    put("router", Stage.PD_REQUEST, 0, ttft_ms + 40, {"kvtrace.router.ttft_ns": int(ttft_ms * MS)},
+        span_id=root_id, parent=TraceRef(trace_id, 0))
+    expected = {k: int(v * MS) for k, v in expected.items()}
+    expected["unattributed"] = int(ttft_ms * MS) - sum(expected.values())
+
+    requests = []
+    for service, (recorder, exporter) in rec.items():
+        recorder.force_flush()
+        spans = exporter.get_finished_spans()
+        recorder.shutdown()
+        if spans:
+            requests.append(encode_spans(spans))
+    return Built(f"{trace_id:032x}", requests, expected, int(ttft_ms * MS))
+
+
+def shuffled_span_requests(builts: list[Built], seed: int = 7) -> list:
+    """Every span of every trace in its own request, in random order (duplicates included)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    singles = []
+    for built in builts:
+        for request in built.requests:
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        single = ExportTraceServiceRequest()
+                        out_rs = single.resource_spans.add()
+                        out_rs.resource.CopyFrom(rs.resource)
+                        out_ss = out_rs.scope_spans.add()
+                        out_ss.scope.CopyFrom(ss.scope)
+                        out_ss.spans.add().CopyFrom(span)
+                        singles.append(single)
+    rng = random.Random(seed)
+    singles += rng.sample(singles, k=len(singles) // 5)  # some arrive twice
+    rng.shuffle(singles)
+    return singles
