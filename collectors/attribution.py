@@ -175,7 +175,8 @@ class Attributor:
         else:
             start = min(t.start for t in timings.values())
             end = first.end if first else max(t.end for t in timings.values())
-        parts = self._walk(timings, PREDECESSORS[mode], start, end)
+        walkable = {k: t for k, t in timings.items() if t.category != Category.ROOT.value}
+        parts = self._walk(walkable, PREDECESSORS[mode], start, end)
 
         missing = sorted(f"{side}:{stage}" for side, stage in EXPECTED[mode] - set(index))
         breakdown = Breakdown(
@@ -200,14 +201,14 @@ class Attributor:
 
         node_key = (DECODE, "first_token")
         if node_key not in timings:  # no first token: start from whatever ended last
-            candidates = [k for k, t in timings.items() if k != ROOT]
+            candidates = list(timings)
             node_key = max(candidates, key=lambda k: timings[k].end) if candidates else None
         t = end
         while node_key is not None and t > start:
             node = timings[node_key]
             preds = [p for p in graph.get(node_key, []) if p in timings]
             if node_key not in graph:  # off the known graph: anything that ended before it
-                preds = [k for k, s in timings.items() if k not in (ROOT, node_key) and s.end <= node.start]
+                preds = [k for k, s in timings.items() if k != node_key and s.end <= node.start]
             pred_key = max(preds, key=lambda k: timings[k].end) if preds else None
             seg_end = max(min(node.end, t), start)
             seg_start = max(node.start, timings[pred_key].end if pred_key else start, start)

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def _hex_ids_to_base64(node: Any) -> Any:
 def decode_json(body: bytes) -> ExportRequest:
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PermanentError(f"malformed JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting bombs recurse
+        raise PermanentError(f"malformed JSON: {type(exc).__name__}") from None
     if not isinstance(document, dict):
         raise PermanentError("JSON body must be an object")
     request = ExportRequest()
@@ -167,6 +167,7 @@ class OtlpHttpReceiver:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             timeout = 30  # a client that stops sending mid-body cannot hold a thread forever
+            disable_nagle_algorithm = True  # headers and body go out in two writes
 
             def log_message(self, fmt: str, *args: Any) -> None:  # keep request lines out of logs
                 logger.debug(fmt, *args)
@@ -234,16 +235,27 @@ class OtlpHttpReceiver:
 # --------------------------------------------------------------------------------------
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+class _TraceService:
+    """``TraceService/Export`` taking raw bytes, so a malformed message is our INVALID_ARGUMENT
+    rather than grpcio's INTERNAL deserialisation error."""
+
     def __init__(self, consume: Consumer, bearer_token: str | None) -> None:
         self._consume = consume
         self._token = bearer_token
 
-    def Export(self, request: ExportRequest, context: grpc.ServicerContext):  # noqa: N802
+    def handler(self) -> grpc.GenericRpcHandler:
+        export = grpc.unary_unary_rpc_method_handler(
+            self.export, request_deserializer=None,
+            response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService", {"Export": export})
+
+    def export(self, raw: bytes, context: grpc.ServicerContext):
         metadata = dict(context.invocation_metadata())
         if not _authorized(self._token, metadata.get("authorization")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
+            request = decode_protobuf(raw)
             validate(request)
             self._consume(request)
         except PermanentError as exc:
@@ -269,8 +281,7 @@ class OtlpGrpcReceiver:
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-otlp-grpc"),
             options=[("grpc.max_receive_message_length", max_message_bytes)],
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
-            _TraceService(consume, bearer_token), self._server)
+        self._server.add_generic_rpc_handlers((_TraceService(consume, bearer_token).handler(),))
         if tls is not None:  # (certificate file, key file)
             cert, key = (open(path, "rb").read() for path in tls)
             credentials = grpc.ssl_server_credentials([(key, cert)])
