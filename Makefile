@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvtrace-installed
+PHOENIX_VENV  := .venv-phoenix
+PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
+PHOENIX_VERSION := 20.26.1
 
 .PHONY: setup demo test bench clean-venv
 
@@ -23,7 +26,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvtrace demo
 
-test: $(STAMP)
+# Arize Phoenix (an OTLP backend the forwarding tests read spans back from) gets its own venv:
+# its dependencies and vLLM's do not mix.
+$(PHOENIX_STAMP):
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install --quiet 'arize-phoenix==$(PHOENIX_VERSION)'
+	touch $(PHOENIX_STAMP)
+
+test: $(STAMP) $(PHOENIX_STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
