@@ -68,9 +68,13 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
 EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
-_CATEGORY = {spec.span_name if stage.name.startswith("PD_") else stage.name.lower(): spec.category
+_CATEGORY = {spec.span_name if stage.name.startswith("PD_") else stage.name.lower(): spec.category.value
              for stage, spec in semconv.STAGES.items()}
 CATEGORIES = (Category.COMPUTE, Category.QUEUE, Category.COORDINATION, Category.WIRE, Category.UNATTRIBUTED)
+_CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
+_UNATTRIBUTED = Category.UNATTRIBUTED.value
+_ROOT_CATEGORY = Category.ROOT.value
+_COORDINATION = Category.COORDINATION.value
 
 
 def side_of(span: SpanRow) -> str:
@@ -118,27 +122,59 @@ class Breakdown:
     offsets_ns: dict[str, int] = field(default_factory=dict)
 
 
+class _SlidingBound:
+    """Max (or min) of the last ``window`` values, O(1) amortised per value (monotonic deque)."""
+
+    def __init__(self, window: int, largest: bool) -> None:
+        self._window = window
+        self._largest = largest
+        self._values: collections.deque[tuple[int, float]] = collections.deque()
+        self._seq = 0
+
+    def add(self, value: float) -> None:
+        self._seq += 1
+        keep_larger = self._largest
+        values = self._values
+        while values and (values[-1][1] <= value if keep_larger else values[-1][1] >= value):
+            values.pop()
+        values.append((self._seq, value))
+        if values[0][0] <= self._seq - self._window:
+            values.popleft()
+
+    @property
+    def value(self) -> float | None:
+        return self._values[0][1] if self._values else None
+
+
 class OffsetEstimator:
-    """Per-instance clock offset (add to the instance's times to get the reference clock)."""
+    """Per-instance clock offset (add to the instance's times to get the reference clock),
+    from the bounds of the last ``window`` traces."""
 
     def __init__(self, window: int = 256) -> None:
-        self._bounds: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self._window = window
+        self._lower: dict[str, _SlidingBound] = {}
+        self._upper: dict[str, _SlidingBound] = {}
+        self._mids: dict[str, collections.deque] = {}
 
     def add(self, instance: str, lower: float | None, upper: float | None) -> None:
-        if lower is not None or upper is not None:
-            self._bounds[instance].append((lower, upper))
+        if instance not in self._lower:
+            self._lower[instance] = _SlidingBound(self._window, largest=True)
+            self._upper[instance] = _SlidingBound(self._window, largest=False)
+            self._mids[instance] = collections.deque(maxlen=self._window)
+        if lower is not None:
+            self._lower[instance].add(lower)
+        if upper is not None:
+            self._upper[instance].add(upper)
+        if lower is not None and upper is not None:
+            self._mids[instance].append((lower + upper) / 2)
 
     def estimate(self, instance: str) -> int:
-        bounds = self._bounds.get(instance)
-        if not bounds:
+        if instance not in self._lower:
             return 0
-        lowers = [lo for lo, _ in bounds if lo is not None]
-        uppers = [up for _, up in bounds if up is not None]
-        lower = max(lowers) if lowers else None
-        upper = min(uppers) if uppers else None
+        lower, upper = self._lower[instance].value, self._upper[instance].value
         if lower is not None and upper is not None and lower > upper:
             # Jitter made the intersection empty: fall back to the typical per-trace middle.
-            mids = [(lo + up) / 2 for lo, up in bounds if lo is not None and up is not None]
+            mids = self._mids[instance]
             return int(statistics.median(mids)) if mids else int((lower + upper) / 2)
         if (lower is None or lower <= 0) and (upper is None or upper >= 0):
             return 0  # the clocks are consistent with every causal pair seen: no correction
@@ -165,7 +201,7 @@ class Attributor:
             off = offsets.get(span.instance, 0)
             return span.start + off, span.end + off
 
-        timings = {key: StageTiming(key[0], key[1], _category(key[1]).value, *on_ref(span))
+        timings = {key: StageTiming(key[0], key[1], _CATEGORY.get(key[1], _COORDINATION), *on_ref(span))
                    for key, span in index.items()}
         first = timings.get((DECODE, "first_token"))
         if root is not None:
@@ -175,7 +211,7 @@ class Attributor:
         else:
             start = min(t.start for t in timings.values())
             end = first.end if first else max(t.end for t in timings.values())
-        walkable = {k: t for k, t in timings.items() if t.category != Category.ROOT.value}
+        walkable = {k: t for k, t in timings.items() if t.category != _ROOT_CATEGORY}
         parts = self._walk(walkable, PREDECESSORS[mode], start, end)
 
         missing = sorted(f"{side}:{stage}" for side, stage in EXPECTED[mode] - set(index))
@@ -192,7 +228,7 @@ class Attributor:
 
     @staticmethod
     def _walk(timings: dict[tuple[str, str], StageTiming], graph, start: int, end: int) -> dict[str, int]:
-        parts = {c.value: 0 for c in CATEGORIES}
+        parts = dict.fromkeys(_CATEGORY_NAMES, 0)
         if end <= start:
             return parts
 
@@ -214,13 +250,13 @@ class Attributor:
             seg_start = max(node.start, timings[pred_key].end if pred_key else start, start)
             seg_start = min(seg_start, seg_end)
             if seg_end < t:
-                charge(Category.UNATTRIBUTED.value, seg_end, t)
+                charge(_UNATTRIBUTED, seg_end, t)
             charge(node.category, seg_start, seg_end)
             node.critical_ns = seg_end - seg_start
             t = seg_start
             node_key = pred_key
         if t > start:
-            charge(Category.UNATTRIBUTED.value, start, t)
+            charge(_UNATTRIBUTED, start, t)
         return parts
 
     # ------------------------------------------------------------------ clocks
@@ -297,10 +333,6 @@ class Attributor:
                 breakdown.prefill_instance = span.instance
             elif side == DECODE:
                 breakdown.decode_instance = span.instance
-
-
-def _category(stage: str) -> Category:
-    return _CATEGORY.get(stage, Category.COORDINATION)
 
 
 def _request_id(spans: list[SpanRow]) -> str:

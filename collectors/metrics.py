@@ -35,6 +35,7 @@ class CollectorMetrics:
                                buckets=TTFT_BUCKETS, registry=r)
         self._parts = Histogram("kvtrace_ttft_part_seconds", "Each category's share of one request's TTFT.",
                                 ("mode", "category"), buckets=PART_BUCKETS, registry=r)
+        self._by_mode: dict[str, Any] = {}
 
     def watch(self, collector: Any) -> None:
         """Expose the forwarders' and assembler's own counters at scrape time."""
@@ -54,10 +55,18 @@ class CollectorMetrics:
         if late:
             self._late.inc()
         if breakdown.ttft_ns > 0:
-            self._ttft.labels(breakdown.mode).observe(breakdown.ttft_ns / 1e9)
-            for category in CATEGORIES:
-                self._parts.labels(breakdown.mode, category.value).observe(
-                    breakdown.parts.get(category.value, 0) / 1e9)
+            ttft, parts = self._children(breakdown.mode)
+            ttft.observe(breakdown.ttft_ns / 1e9)
+            for category, child in parts:
+                child.observe(breakdown.parts.get(category, 0) / 1e9)
+
+    def _children(self, mode: str):
+        """Labelled children, looked up once per mode (labels() is a lookup with a lock)."""
+        children = self._by_mode.get(mode)
+        if children is None:
+            children = self._by_mode[mode] = (
+                self._ttft.labels(mode), [(c.value, self._parts.labels(mode, c.value)) for c in CATEGORIES])
+        return children
 
 
 class _Live:

@@ -16,7 +16,7 @@ from kvtrace.telemetry import semconv
 
 # Attributes the collector reads; everything else stays in the stored original.
 _WANTED = frozenset({
-    semconv.ATTR_STAGE, semconv.ATTR_CATEGORY, semconv.ATTR_REQUEST_ID, semconv.ATTR_RENDEZVOUS_ORDER,
+    semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, semconv.ATTR_RENDEZVOUS_ORDER,
     semconv.ATTR_ENGINE_LOOP_NS, semconv.ATTR_TRANSFER_BYTES, semconv.ATTR_TRANSFER_POST_US,
     semconv.ATTR_TRANSFER_XFER_US, semconv.ATTR_INPUT_TOKENS, semconv.ATTR_FAILURE_CAUSE,
     "kvtrace.router.ttft_ns",
@@ -53,8 +53,9 @@ class SpanRow:
 
 
 def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind in ("string_value", "int_value", "double_value", "bool_value") else None
+    # The wanted attributes are strings or integers: read those fields directly (much cheaper
+    # than WhichOneof); an empty string and 0 both mean "not set" to the collector.
+    return v.string_value or v.int_value or v.double_value or v.bool_value or None
 
 
 def row_of(span: Any, service: str, instance: str, role: str, mode: str, resource: Any = None,

@@ -6,9 +6,11 @@ transaction, so a restart replays exactly what is not in the file yet.
 
 Tables:
 
-* ``spans`` — every span as received (the original protobuf in ``proto``), with the fields
-  queries need as columns. A span a sender retried can appear twice here; ``requests`` and
-  ``stages`` are built from de-duplicated traces.
+* ``spans`` — every span as received, with the fields queries need as columns. A span a
+  sender retried can appear twice here; ``requests`` and ``stages`` are built from
+  de-duplicated traces. ``batch_id``/``batch_index`` point at the original.
+* ``batches`` — each export request exactly as received (OTLP protobuf), once; the original
+  of every span, resource and scope.
 * ``requests`` — one row per trace: TTFT and its split into compute / queue / coordination /
   wire / unattributed (ms), rendezvous order, bytes, NIXL times, instances, completeness.
 * ``stages`` — per trace and stage: duration and the part of it on the critical path.
@@ -17,6 +19,7 @@ Tables:
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import uuid
@@ -27,17 +30,18 @@ import duckdb
 import pyarrow as pa
 
 from .attribution import Breakdown
-from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from .model import SpanRow, row_of
+from .model import SpanRow, decode
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS spans (
     trace_id VARCHAR, span_id VARCHAR, parent_span_id VARCHAR, name VARCHAR, stage VARCHAR,
     service VARCHAR, instance VARCHAR, role VARCHAR, mode VARCHAR,
     start_ns BIGINT, end_ns BIGINT, duration_ms DOUBLE, status TINYINT, request_id VARCHAR,
-    proto BLOB, run_id VARCHAR
+    batch_id VARCHAR, batch_index INTEGER
 );
+CREATE TABLE IF NOT EXISTS batches (batch_id VARCHAR, run_id VARCHAR, payload BLOB);
 CREATE TABLE IF NOT EXISTS requests (
     trace_id VARCHAR PRIMARY KEY, request_id VARCHAR, mode VARCHAR, started_at TIMESTAMPTZ,
     ttft_ms DOUBLE, compute_ms DOUBLE, queue_ms DOUBLE, coordination_ms DOUBLE, wire_ms DOUBLE,
@@ -57,7 +61,7 @@ CREATE TABLE IF NOT EXISTS wal_state (id INTEGER PRIMARY KEY, segment INTEGER, "
 """
 
 _SPAN_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "stage", "service", "instance", "role",
-                 "mode", "start_ns", "end_ns", "duration_ms", "status", "request_id", "proto", "run_id")
+                 "mode", "start_ns", "end_ns", "duration_ms", "status", "request_id", "batch_id", "batch_index")
 
 
 class Store:
@@ -68,6 +72,8 @@ class Store:
         self._lock = threading.Lock()  # guards the buffers; the connection is used by one thread
         self._db_lock = threading.Lock()
         self._columns: dict[str, list] = {c: [] for c in _SPAN_COLUMNS}
+        self._batches: dict[str, list] = {"batch_id": [], "run_id": [], "payload": []}
+        self._batch_ids = itertools.count()
         self._breakdowns: dict[str, Breakdown] = {}
         self._position: tuple[int, int] | None = None
         self._flush_interval = flush_interval_s
@@ -104,9 +110,16 @@ class Store:
 
     # ------------------------------------------------------------------ writes
 
-    def add_spans(self, rows: list[SpanRow], position: tuple[int, int] | None) -> None:
+    def add_spans(self, rows: list[SpanRow], position: tuple[int, int] | None, payload: bytes) -> None:
+        """``rows`` decoded, in order, from ``payload`` (one export request as received)."""
+        batch_id = f"{self.run_id}-{next(self._batch_ids)}"
         with self._lock:
+            self._batches["batch_id"].append(batch_id)
+            self._batches["run_id"].append(self.run_id)
+            self._batches["payload"].append(payload)
             c = self._columns
+            c["batch_id"].extend([batch_id] * len(rows))
+            c["batch_index"].extend(range(len(rows)))
             for r in rows:
                 c["trace_id"].append(r.trace_id)
                 c["span_id"].append(r.span_id)
@@ -122,8 +135,6 @@ class Store:
                 c["duration_ms"].append((r.end - r.start) / 1e6)
                 c["status"].append(r.status)
                 c["request_id"].append(r.attrs.get("kvtrace.request_id"))
-                c["proto"].append(r.proto.SerializeToString() if r.proto is not None else None)
-                c["run_id"].append(self.run_id)
             if position is not None:
                 self._position = position
             full = len(c["trace_id"]) >= self._flush_rows
@@ -143,6 +154,7 @@ class Store:
     def flush(self) -> None:
         with self._lock:
             columns, self._columns = self._columns, {c: [] for c in _SPAN_COLUMNS}
+            batches, self._batches = self._batches, {"batch_id": [], "run_id": [], "payload": []}
             breakdowns, self._breakdowns = self._breakdowns, {}
             position = self._position
         n = len(columns["trace_id"])
@@ -153,10 +165,13 @@ class Store:
             con.execute("BEGIN")
             try:
                 if n:
-                    table = pa.table(columns)
-                    con.register("span_batch", table)
+                    con.register("span_batch", pa.table(columns))
                     con.execute("INSERT INTO spans SELECT * FROM span_batch")
                     con.unregister("span_batch")
+                if batches["batch_id"]:
+                    con.register("raw_batch", pa.table({**batches, "payload": pa.array(batches["payload"], pa.binary())}))
+                    con.execute("INSERT INTO batches SELECT * FROM raw_batch")
+                    con.unregister("raw_batch")
                 if breakdowns:
                     self._write_breakdowns(con, list(breakdowns.values()))
                 if position is not None:
@@ -221,12 +236,16 @@ class Store:
             return self._con.execute(sql, params or []).fetch_arrow_table()
 
     def stored_rows(self, trace_id: str) -> list[SpanRow]:
-        """The trace's committed spans, decoded again from their stored originals."""
+        """The trace's committed spans, decoded again from their stored original requests."""
         rows = []
-        for service, instance, role, mode, blob in self.query(
-                "SELECT service, instance, role, mode, proto FROM spans WHERE trace_id = ?", [trace_id]):
-            span = trace_pb2.Span()
-            span.ParseFromString(blob)
-            rows.append(row_of(span, service, instance, role, mode))
+        wanted = self.query("SELECT DISTINCT s.batch_id, s.batch_index, b.payload FROM spans s "
+                            "JOIN batches b USING (batch_id) WHERE s.trace_id = ? ORDER BY 1, 2", [trace_id])
+        decoded: dict[str, list[SpanRow]] = {}
+        for batch_id, index, payload in wanted:
+            if batch_id not in decoded:
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(payload)
+                decoded[batch_id] = decode(request)
+            rows.append(decoded[batch_id][index])
         return rows
 
