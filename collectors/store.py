@@ -233,7 +233,7 @@ class Store:
 
     def query_arrow(self, sql: str, params: list | None = None) -> pa.Table:
         with self._db_lock:
-            return self._con.execute(sql, params or []).fetch_arrow_table()
+            return self._con.sql(sql, params=params or []).to_arrow_table()
 
     def stored_rows(self, trace_id: str) -> list[SpanRow]:
         """The trace's committed spans, decoded again from their stored original requests."""

@@ -96,7 +96,7 @@ def _cmd_collector(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvtrace import demo
 
-    return demo.main(args.demo_args)
+    return demo.main(args.extra)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -153,9 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     collector = sub.add_parser("collector", help="OTLP receiver, TTFT attribution, DuckDB store, tee to APMs")
     _collector_arguments(collector)
     collector.set_defaults(func=_cmd_collector)
-    demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine, push and pull, with a "
-                          "per-stage summary", add_help=False)
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine into the embedded collector, "
+                          "push and pull; `kvtrace demo --help` for its options", add_help=False)
     demo.set_defaults(func=_cmd_demo)
     for name, what in _NOT_YET.items():
         sub.add_parser(name, help=f"{what} — not yet").set_defaults(func=_not_yet(what))
@@ -163,5 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "demo":  # only the demo passes its own options through
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     return args.func(args)

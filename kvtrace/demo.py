@@ -1,51 +1,30 @@
-"""``kvtrace demo``: a real 1P1D pair on this machine, traced, in push and in pull.
+"""``kvtrace demo``: a real 1P1D pair on this machine, traced into the embedded collector.
 
-Builds the tiny local model, starts P, D and the router on 127.0.0.1 with the kvtrace
-connectors, sends a mixed workload, receives every span over OTLP/gRPC in this process and
-prints, per mode, the median duration of each stage and the router's TTFT. Stops every
-process it started and removes the shared memory they left.
+Builds the tiny local model, starts the kvtrace collector (OTLP in, DuckDB store) and then,
+per mode, P, D and the router on 127.0.0.1 with the kvtrace connectors; sends a mixed
+workload, waits for every trace to be attributed, and prints where time to first token
+went — per mode, the TTFT percentiles and the critical-path split into compute, queue,
+coordination and wire, then each stage's median duration and critical part. Stops every
+process it started and removes the shared memory they left; the DuckDB file stays.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import threading
 import time
 import urllib.request
-from collections import defaultdict
-
-from kvtrace.collectors.receivers import OtlpGrpcReceiver
-from kvtrace.telemetry.semconv import STAGE_ORDER
+from pathlib import Path
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-
-
-class _Spans:
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, int, dict]] = []  # (trace id, stage, duration ns, attrs)
-        self._lock = threading.Lock()
-
-    def __call__(self, request) -> None:
-        rows = []
-        for rs in request.resource_spans:
-            for ss in rs.scope_spans:
-                for span in ss.spans:
-                    attrs = {a.key: a.value for a in span.attributes}
-                    stage = attrs["kvtrace.stage"].string_value if "kvtrace.stage" in attrs else span.name
-                    rows.append((span.trace_id.hex(), stage,
-                                 span.end_time_unix_nano - span.start_time_unix_nano, attrs))
-        with self._lock:
-            self.rows.extend(rows)
 
 
 def _send(url: str, i: int, words: int, max_tokens: int) -> None:
     body = {"model": "tiny", "prompt": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words)),
             "max_tokens": max_tokens, "temperature": 0}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": f"demo-{i}"})
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as resp:
         resp.read()
 
@@ -53,52 +32,67 @@ def _send(url: str, i: int, words: int, max_tokens: int) -> None:
 def _progress(label: str, done: int, total: int) -> None:
     width = 30
     filled = width * done // total
-    print(f"\r  {label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr,
+    end = "\n" if done == total else ""
+    print(f"\r  {label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
           flush=True)
-    if done == total:
-        print(file=sys.stderr)
 
 
-def run(modes: list[str], requests: int, max_tokens: int) -> dict[str, dict[str, float]]:
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format)."""
+    widths = [max(len(h), *(len(format(r[k], f)) if r[k] is not None else 1 for r in rows)) for k, h, f in columns]
+    lines = ["  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths))]
+    for row in rows:
+        lines.append("  ".join((format(row[k], f) if row[k] is not None else "-").rjust(w)
+                               for (k, _, f), w in zip(columns, widths)))
+    return "\n".join(lines)
+
+
+def run(modes: list[str], requests: int, max_tokens: int, db: Path) -> None:
+    from kvtrace.collectors import queries
+    from kvtrace.collectors.config import CollectorConfig
+    from kvtrace.collectors.service import Collector
     from kvtrace.testbed.launch import LocalPair, PairConfig
     from kvtrace.testbed.model import build
 
     print("building the tiny local model (once; cached)...", file=sys.stderr)
     model_dir = build()
-    medians: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        spans = _Spans()
-        receiver = OtlpGrpcReceiver(spans, port=0)
-        receiver.start()
-        try:
+    collector = Collector(CollectorConfig(db_path=str(db), grpc_port=0, http_port=None, decision_wait_s=1.0))
+    collector.start()
+    endpoint = collector.receivers[0].endpoint
+    try:
+        for mode in modes:
             print(f"starting a {mode} pair: prefill, decode and router on 127.0.0.1 (about 40 s)...",
                   file=sys.stderr)
-            with LocalPair(PairConfig(mode=mode, model_dir=model_dir, otlp_endpoint=receiver.endpoint)) as pair:
+            before = collector.store.query("SELECT count(*) FROM requests WHERE mode = ?", [mode])[0][0]
+            with LocalPair(PairConfig(mode=mode, model_dir=model_dir, otlp_endpoint=endpoint)) as pair:
                 for i in range(requests):
                     _send(pair.router_url, i, (30, 300, 700)[i % 3], max_tokens)
                     _progress(f"{mode} requests", i + 1, requests)
-                time.sleep(2)  # the last spans of every process
-        finally:
-            receiver.shutdown()
-        per_stage: dict[str, list[float]] = defaultdict(list)
-        for _, stage, duration, attrs in spans.rows:
-            if stage == "pd.request" and "kvtrace.router.ttft_ns" in attrs:
-                per_stage["TTFT (router)"].append(attrs["kvtrace.router.ttft_ns"].int_value / 1e6)
-            elif stage not in ("pd.request", "pd.route"):
-                per_stage[stage].append(duration / 1e6)
-        medians[mode] = {stage: statistics.median(values) for stage, values in per_stage.items()}
-    return medians
-
-
-def print_table(medians: dict[str, dict[str, float]]) -> None:
-    modes = list(medians)
-    order = [s.name.lower() for s in STAGE_ORDER] + ["TTFT (router)"]
-    stages = [s for s in order if any(s in m for m in medians.values())]
-    print("\nmedian per stage, ms (stages a mode does not have are blank)")
-    print(f"{'stage':<18}" + "".join(f"{m:>10}" for m in modes))
-    for stage in stages:
-        cells = "".join(f"{medians[m][stage]:>10.2f}" if stage in medians[m] else f"{'':>10}" for m in modes)
-        print(f"{stage:<18}{cells}")
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # every trace attributed
+                    collector.store.flush()
+                    done = collector.store.query("SELECT count(*) FROM requests WHERE mode = ? AND complete",
+                                                 [mode])[0][0]
+                    if done - before >= requests:
+                        break
+                    time.sleep(0.5)
+        collector.assembler.poll(flush_all=True)
+        collector.store.flush()
+        con = collector.store._con
+        print("\nTTFT and where it went (critical path, medians in ms), per mode:")
+        print(_table(queries.percentiles(con, "mode").to_pylist(), [
+            ("group", "mode", ""), ("requests", "requests", "d"), ("ttft_p50_ms", "TTFT p50", ".1f"),
+            ("ttft_p90_ms", "p90", ".1f"), ("compute_p50_ms", "compute", ".1f"), ("queue_p50_ms", "queue", ".1f"),
+            ("coordination_p50_ms", "coordination", ".1f"), ("wire_p50_ms", "wire", ".1f"),
+            ("unattributed_p50_ms", "unattributed", ".1f")]))
+        for mode in modes:
+            print(f"\n{mode}: each stage, median duration and median part on the critical path (ms)")
+            print(_table(queries.stage_summary(con, mode).to_pylist(), [
+                ("side", "side", ""), ("stage", "stage", ""), ("category", "category", ""),
+                ("duration_p50_ms", "duration", ".2f"), ("critical_p50_ms", "critical", ".2f")]))
+        print(f"\nstored in {db} (tables requests, stages, spans, batches, runs)")
+    finally:
+        collector.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["push", "pull", "both"], default="both")
     parser.add_argument("--requests", type=int, default=12, help="requests per mode (default 12)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--db", type=Path, default=Path("kvtrace-demo.duckdb"),
+                        help="DuckDB file for the collector (default ./kvtrace-demo.duckdb)")
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be at least 1")
-    modes = ["push", "pull"] if args.mode == "both" else [args.mode]
-    print_table(run(modes, args.requests, args.max_tokens))
+    run(["push", "pull"] if args.mode == "both" else [args.mode], args.requests, args.max_tokens, args.db)
     return 0
