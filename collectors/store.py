@@ -75,6 +75,7 @@ class Store:
         self._batches: dict[str, list] = {"batch_id": [], "run_id": [], "payload": []}
         self._batch_ids = itertools.count()
         self._breakdowns: dict[str, Breakdown] = {}
+        self._replaced: set[str] = set()
         self._position: tuple[int, int] | None = None
         self._flush_interval = flush_interval_s
         self._flush_rows = flush_rows
@@ -141,9 +142,12 @@ class Store:
         if full:
             self._wake.set()
 
-    def add_breakdown(self, breakdown: Breakdown) -> None:
+    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
+        """``replaces``: the trace was decided before (late spans); its old stage rows go."""
         with self._lock:
             self._breakdowns[breakdown.trace_id] = breakdown
+            if replaces:
+                self._replaced.add(breakdown.trace_id)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -156,6 +160,7 @@ class Store:
             columns, self._columns = self._columns, {c: [] for c in _SPAN_COLUMNS}
             batches, self._batches = self._batches, {"batch_id": [], "run_id": [], "payload": []}
             breakdowns, self._breakdowns = self._breakdowns, {}
+            replaced, self._replaced = self._replaced, set()
             position = self._position
         n = len(columns["trace_id"])
         if not n and not breakdowns and position is None:
@@ -173,7 +178,7 @@ class Store:
                     con.execute("INSERT INTO batches SELECT * FROM raw_batch")
                     con.unregister("raw_batch")
                 if breakdowns:
-                    self._write_breakdowns(con, list(breakdowns.values()))
+                    self._write_breakdowns(con, list(breakdowns.values()), replaced)
                 if position is not None:
                     con.execute('INSERT OR REPLACE INTO wal_state VALUES (0, ?, ?)', list(position))
                 con.execute("COMMIT")
@@ -183,7 +188,7 @@ class Store:
         self.committed_spans += n
 
     @staticmethod
-    def _write_breakdowns(con: Any, breakdowns: list[Breakdown]) -> None:
+    def _write_breakdowns(con: Any, breakdowns: list[Breakdown], replaced: set[str]) -> None:
         now = datetime.now(timezone.utc)
         ms = 1e6
         requests = pa.table({
@@ -218,8 +223,8 @@ class Store:
         })
         con.register("request_batch", requests)
         con.register("stage_batch", stages)
-        # A trace decided again (late spans) replaces its earlier rows.
-        con.execute("DELETE FROM stages WHERE trace_id IN (SELECT trace_id FROM request_batch)")
+        if replaced:  # a trace decided again (late spans) replaces its earlier stage rows
+            con.execute("DELETE FROM stages WHERE list_contains(?, trace_id)", [sorted(replaced)])
         con.execute("INSERT OR REPLACE INTO requests SELECT * FROM request_batch")
         con.execute("INSERT INTO stages SELECT * FROM stage_batch")
         con.unregister("request_batch")
