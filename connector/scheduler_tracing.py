@@ -134,8 +134,10 @@ class SchedulerTracing:
             self._unsent = {}
 
     def on_schedule(self, scheduler_output: Any) -> None:
-        """Once per schedule(): D requests whose KV arrived and that are now scheduled."""
+        """Once per schedule(): preemptions, and D requests whose KV arrived and are now scheduled."""
         now = self._rec.now()
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._on_preempted(request_id, now)
         scheduled = scheduler_output.num_scheduled_tokens
         if not self._producer and self._requests:
             for request_id, state in self._requests.items():
@@ -174,6 +176,21 @@ class SchedulerTracing:
                 self._rec.record(state.ref, Stage.COMPLETION, now, now, state.attrs,
                                  error=FailureCause.TRANSFER_FAILED.value)
         self._check_first_tokens(now)
+
+    def _on_preempted(self, request_id: str, now: int) -> None:
+        """The running stage ends in error; the request queues again from now."""
+        state = self._requests.get(request_id)
+        if state is None or not state.scheduled_ns:
+            return
+        stage = Stage.PREFILL if self._producer else Stage.FIRST_TOKEN
+        self._rec.record(state.ref, stage, state.scheduled_ns, now, state.attrs,
+                         error=FailureCause.PREEMPTED.value)
+        self._awaiting_first_token.pop(request_id, None)
+        state.scheduled_ns = 0
+        if self._producer:
+            state.admitted_ns = now  # engine.queue is recorded again when it is rescheduled
+        else:
+            state.kv_ready_ns = now  # its blocks were freed: D queues until scheduled again
 
     def on_registration_timeout(self, request_ids: list[str]) -> None:
         now = self._rec.now()

@@ -29,8 +29,9 @@ def blocks(*ids: int) -> KVCacheBlocks:
     return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
 
 
-def schedule(connector, *scheduled: str):
-    return connector.build_connector_meta(SimpleNamespace(num_scheduled_tokens={r: 1 for r in scheduled}))
+def schedule(connector, *scheduled: str, preempted: tuple = ()):
+    return connector.build_connector_meta(SimpleNamespace(num_scheduled_tokens={r: 1 for r in scheduled},
+                                                          preempted_req_ids=set(preempted)))
 
 
 def by_stage(spans):
@@ -151,3 +152,22 @@ def test_bad_kvtrace_option_fails_start_up_naming_the_key(build_connector):
                         {"nixl_progress_delay_us": -5})
     with pytest.raises(ConfigError, match="kvtrace.sampler_arg"):
         build_connector("NixlPullConnector", "kv_consumer", "scheduler", "d-engine", {"sampler_arg": 2})
+
+
+def test_preempted_prefill_is_an_error_and_queues_again(build_connector, spans):
+    connector = build_connector("NixlPushConnector", "kv_producer", "scheduler", "p-engine")
+    req = _request("cmpl-r6-0-aaaaaaaa", {"do_remote_decode": True, PARAM_TRACEPARENT: TRACE.traceparent})
+    connector.on_new_request(req)
+    connector.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    schedule(connector, preempted=(req.request_id,))  # vLLM preempted it mid-prefill
+    connector.update_state_after_alloc(req, blocks(4, 5, 6), 0)  # rescheduled
+    req.num_computed_tokens = len(PROMPT)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    connector.request_finished_all_groups(req, ([4, 5, 6],))
+    stages = by_stage(spans())
+    preempted, finished = sorted(stages["prefill"], key=lambda s: s.start_time)
+    assert preempted.status.status_code is StatusCode.ERROR
+    assert preempted.attributes["error.type"] == "preempted"
+    assert finished.status.status_code is StatusCode.UNSET
+    assert len(stages["p_queue"]) == 2  # queued, then queued again after the preemption
+    assert preempted.end_time <= stages["p_queue"][1].start_time
