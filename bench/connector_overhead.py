@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvtrace.collectors.receivers import OtlpGrpcReceiver  # noqa: E402
+from kvtrace.collectors.receivers import OtlpGrpcReceiver, OtlpHttpReceiver  # noqa: E402
 from kvtrace.testbed.launch import LocalPair, PairConfig  # noqa: E402
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
@@ -59,6 +59,10 @@ def main() -> int:
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument("--requests", type=int, default=60, help="requests per side (default 60)")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--protocol", choices=["grpc", "http/protobuf"], default="http/protobuf",
+                        help="OTLP protocol the traced engines export with (default http/protobuf)")
+    parser.add_argument("--metrics-only", action="store_true",
+                        help="the traced side records but exports no spans (isolates the export's cost)")
     parser.add_argument("--aa", action="store_true",
                         help="A/A run: both pairs untraced, to measure the noise floor of the setup")
     args = parser.parse_args()
@@ -70,7 +74,7 @@ def main() -> int:
     def count(request):
         spans[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-    sink = OtlpGrpcReceiver(count, port=0)
+    sink = (OtlpGrpcReceiver if args.protocol == "grpc" else OtlpHttpReceiver)(count, port=0)
     sink.start()
     results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     # Two rounds with the traced pair first, then second, to launch: whatever the order of
@@ -78,7 +82,8 @@ def main() -> int:
     try:
         for round_, first in enumerate(("on", "off")):
             configs = {"on": PairConfig(mode=args.mode, tracing=args.aa is False,
-                                        otlp_endpoint=None if args.aa else sink.endpoint),
+                                        otlp_endpoint=None if args.aa or args.metrics_only else sink.endpoint,
+                                        otlp_protocol=args.protocol),
                        "off": PairConfig(mode=args.mode, tracing=False)}
             second = "off" if first == "on" else "on"
             print(f"round {round_ + 1}/2: starting two {args.mode} pairs ({first} first)...", file=sys.stderr)
@@ -107,6 +112,7 @@ def main() -> int:
     ttft_ratio, tpot_ratio = ttft_on / ttft_off, tpot_on / tpot_off
     if args.aa:
         print("A/A run: both sides untraced; the ratios below are the setup's noise floor")
+    print(f"spans exported over OTLP {args.protocol}" + (" (metrics only)" if args.metrics_only else ""))
     print(f"mode {args.mode}, {args.requests} requests per side, {args.max_tokens} tokens each, "
           f"prompts of ~40/400/800 words; spans received from the traced pair: {spans[0]}")
     print(f"{'':14}{'tracing on':>12}{'tracing off':>13}{'ratio':>8}")

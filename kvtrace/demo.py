@@ -56,7 +56,7 @@ def run(modes: list[str], requests: int, max_tokens: int, db: Path) -> None:
 
     print("building the tiny local model (once; cached)...", file=sys.stderr)
     model_dir = build()
-    collector = Collector(CollectorConfig(db_path=str(db), grpc_port=0, http_port=None, decision_wait_s=1.0))
+    collector = Collector(CollectorConfig(db_path=str(db), grpc_port=None, http_port=0, decision_wait_s=1.0))
     collector.start()
     endpoint = collector.receivers[0].endpoint
     try:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from kvtrace.collectors.receivers import OtlpGrpcReceiver
+from kvtrace.collectors.receivers import OtlpHttpReceiver
 from kvtrace.testbed.launch import LocalPair, PairConfig
 from kvtrace.testbed.model import kv_bytes_per_token
 
@@ -94,12 +94,12 @@ def workload(tag: str) -> list[Call]:
 
 
 class SpanSink:
-    """Collects spans from an OTLP/gRPC receiver on 127.0.0.1."""
+    """Collects spans from an OTLP/HTTP receiver on 127.0.0.1 (the testbed's default protocol)."""
 
     def __init__(self) -> None:
         self.spans: list[dict] = []
         self._lock = threading.Lock()
-        self.receiver = OtlpGrpcReceiver(self._consume, port=0)
+        self.receiver = OtlpHttpReceiver(self._consume, port=0)
 
     def _consume(self, request) -> None:
         rows = []
