@@ -44,14 +44,16 @@ class PairConfig:
     otlp_endpoint: str | None = None
     """Where engines and router send spans; None: tracing on, nothing exported."""
     otlp_protocol: str = "http/protobuf"
-    """OTLP/HTTP by default: on this 2-core machine the gRPC exporter's background threads
-    cost decode measurably (bench/connector_overhead.py: TPOT +5 % in pull with gRPC,
-    +0.6 % with HTTP)."""
+    """OTLP/HTTP by default: the gRPC exporter keeps background threads in each engine process,
+    and on a 2-core machine pull TPOT measured 1.049x untraced with gRPC export (twice) but
+    1.006x with OTLP/HTTP (see the README on how noisy pair-level runs are here)."""
     tracing: bool = True
     """False loads the kvtrace connectors with ``kvtrace.enabled: false`` (vLLM's behaviour)."""
     cpu_options: bool = True
     prefix_caching: bool = False
     max_model_len: int = 4096
+    decode_tp: int = 1
+    """Tensor-parallel size of D; above 1 its workers run as separate processes, one per core."""
     router_port: int | None = None
     log_dir: Path | None = None
     ready_timeout_s: float = 300.0
@@ -130,18 +132,26 @@ class LocalPair:
             command.append("--no-enable-prefix-caching")
         cores = sorted(os.sched_getaffinity(0))
         core = cores[0] if prefill else cores[-1]
+        omp_bind = str(core)
+        pinned = {core}
+        if not prefill and c.decode_tp > 1:
+            if len(cores) < c.decode_tp:
+                raise ValueError(f"decode_tp={c.decode_tp} needs {c.decode_tp} cores, this machine has {len(cores)}")
+            command += ["--tensor-parallel-size", str(c.decode_tp)]
+            omp_bind = "|".join(str(x) for x in cores[-c.decode_tp:])  # one core per rank
+            pinned = set(cores[-c.decode_tp:])
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_OMP_THREADS_BIND": omp_bind,
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.ports["p_kv" if prefill else "d_kv"]),
             "UCX_NET_DEVICES": "lo",  # keep every UCX listener on loopback
             "VLLM_LOGGING_LEVEL": "INFO",
         }
-        return command, env, {core}
+        return command, env, pinned
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str], cores: set[int] | None,
                url: str) -> None:
