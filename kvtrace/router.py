@@ -259,6 +259,12 @@ def assemble(events: list[bytes], chat: bool) -> dict:
                 chunks.append(json.loads(line[6:]))
     if not chunks:
         raise UpstreamError(502, "decode instance sent no chunks", "upstream_error")
+    for chunk in chunks:  # an engine that fails mid-stream sends an error event
+        if isinstance(chunk.get("error"), dict):
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error.get("code"), int) else 502
+            raise UpstreamError(code if 400 <= code < 600 else 502,
+                                f"decode instance: {error.get('message', 'error')}", "upstream_error")
     choices: dict[int, dict] = {}
     usage = None
     for chunk in chunks:
@@ -270,8 +276,8 @@ def assemble(events: list[bytes], chat: bool) -> dict:
             slot["text"] += piece or ""
             slot["finish_reason"] = choice.get("finish_reason") or slot["finish_reason"]
     head = chunks[0]
-    result = {"id": head["id"], "object": "chat.completion" if chat else "text_completion",
-              "created": head["created"], "model": head["model"], "usage": usage}
+    result = {"id": head.get("id"), "object": "chat.completion" if chat else "text_completion",
+              "created": head.get("created"), "model": head.get("model"), "usage": usage}
     if chat:
         result["choices"] = [{"index": c["index"], "finish_reason": c["finish_reason"],
                               "message": {"role": "assistant", "content": c["text"]}}

@@ -19,8 +19,9 @@ from kvtrace.telemetry.recorder import Recorder
 class Engine:
     """A scripted OpenAI-compatible engine: records what it got, answers as told."""
 
-    def __init__(self, role: str, status: int = 200, delay_s: float = 0.0) -> None:
+    def __init__(self, role: str, status: int = 200, delay_s: float = 0.0, fail_mid_stream: bool = False) -> None:
         self.role, self.status, self.delay_s = role, status, delay_s
+        self.fail_mid_stream = fail_mid_stream
         self.bodies: list[dict] = []
         self.headers: list = []
 
@@ -37,6 +38,10 @@ class Engine:
                                       "kv_transfer_params": {"remote_engine_id": "p-1", "remote_block_ids": [1]}})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.fail_mid_stream:  # what vLLM sends when generation fails after the headers
+            error = {"error": {"message": "KV transfer failed", "type": "InternalServerError", "code": 500}}
+            await response.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            return response
         for piece in ("Hel", "lo"):
             chunk = {"id": "d", "created": 1, "model": "tiny", "choices": [{"index": 0, "text": piece}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -132,3 +137,10 @@ def test_bad_body_is_400():
 def test_push_without_ps_coordinates_is_a_config_error():
     with pytest.raises(ValueError, match="--prefill-engine-id"):
         RouterConfig(prefill="http://127.0.0.1:1", decode="http://127.0.0.1:2", mode=Mode.PUSH).validate()
+
+
+def test_decode_failing_mid_stream_is_an_openai_error_for_a_plain_client():
+    status, payload, _ = asyncio.run(run_router("pull", Engine("prefill"), Engine("decode", fail_mid_stream=True),
+                                                {"model": "tiny", "prompt": "hi"}))
+    assert status == 500
+    assert json.loads(payload)["error"]["message"] == "decode instance: KV transfer failed"
