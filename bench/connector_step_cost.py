@@ -25,15 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def build(model_dir: str, mode: str, traced: bool):
-    from kvtrace.testbed.inproc import build_connector
+    from kvtrace.testbed.inproc import build_connector, stand_in_transfer_topology
 
     connector = "NixlPushConnector" if mode == "push" else "NixlPullConnector"
     block = {"exporter": "console" if traced else "none", "enabled": traced}
     scheduler = build_connector(model_dir, connector, "kv_consumer", "scheduler", "d-engine", block)
     worker = build_connector(model_dir, connector, "kv_consumer", "worker", "d-engine", block)
-    # register_kv_caches (real memory) would build this; the decode step only needs tp_ratio.
-    worker.connector_worker.transfer_topo = SimpleNamespace(
-        tp_ratio=lambda remote_tp_size: 1, unregister_remote_engine=lambda engine_id: None)
+    stand_in_transfer_topology(worker.connector_worker)
     return scheduler, worker
 
 

@@ -85,6 +85,3 @@ class CollectorConfig:
         if self.decision_wait_s < 0 or self.max_age_s <= 0:
             raise ValueError("--decision-wait must be >= 0 and --max-age > 0")
 
-
-def create_default_config() -> CollectorConfig:
-    return CollectorConfig()

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace.testbed.launch import free_port
+
 
 def rotel_binary() -> str:
     import rotel  # the PyPI wheel carries the agent binary
@@ -25,18 +27,12 @@ def rotel_binary() -> str:
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Rotel:
     def __init__(self, export_to: str | None = None, *, protocol: str = "grpc",
                  batch_timeout: str = "100ms") -> None:
         """``export_to``: an OTLP endpoint URL; None exports to rotel's blackhole."""
-        self.grpc_port = _free_port()
-        self.http_port = _free_port()
+        self.grpc_port = free_port()
+        self.http_port = free_port()
         self._dir = tempfile.mkdtemp(prefix="kvtrace-rotel-")
         self._command = [
             rotel_binary(), "start",

@@ -83,7 +83,6 @@ class Store:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.run_id = uuid.uuid4().hex[:12]
-        self.committed_spans = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,7 +184,6 @@ class Store:
             except Exception:
                 con.execute("ROLLBACK")
                 raise
-        self.committed_spans += n
 
     @staticmethod
     def _write_breakdowns(con: Any, breakdowns: list[Breakdown], replaced: set[str]) -> None:
@@ -235,10 +233,6 @@ class Store:
     def query(self, sql: str, params: list | None = None) -> list[tuple]:
         with self._db_lock:
             return self._con.execute(sql, params or []).fetchall()
-
-    def query_arrow(self, sql: str, params: list | None = None) -> pa.Table:
-        with self._db_lock:
-            return self._con.sql(sql, params=params or []).to_arrow_table()
 
     def stored_rows(self, trace_id: str) -> list[SpanRow]:
         """The trace's committed spans, decoded again from their stored original requests."""

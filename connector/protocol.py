@@ -2,7 +2,7 @@
 
 No vLLM code is changed; each carrier is a field vLLM passes on without reading:
 
-* ``kv_transfer_params[PARAM_TRACEPARENT]`` — router → P and D engines, and P's returned
+* ``kv_transfer_params[semconv.PARAM_TRACEPARENT]`` (the contract owns the key) — router → P and D engines, and P's returned
   params → router → D (pull). A W3C ``traceparent`` string.
 * ``registration[REG_KEY]`` — D → P inside the push registration (PUSH_REG), which vLLM
   msgpack-encodes whole: ``{"traceparent": str, "allocated_ns": int}``.
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-PARAM_TRACEPARENT = "kvtrace_traceparent"
 REG_KEY = "kvtrace"
 META_TRACES = "kvtrace_traces"
 

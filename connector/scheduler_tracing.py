@@ -24,7 +24,9 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.context import Sampler, TraceRef, parse_traceparent
 from kvtrace.telemetry.semconv import FailureCause, Role, Stage
 
-from .protocol import PARAM_TRACEPARENT, REG_KEY, WorkerReport, base_request_id
+from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
+
+from .protocol import REG_KEY, WorkerReport, base_request_id
 
 
 @dataclass(slots=True)

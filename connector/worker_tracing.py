@@ -204,10 +204,9 @@ class WorkerTracing:
         return do_send_reg_notif
 
     def _record_registration_sent(self, request_id: str, registration: dict) -> None:
-        carried = registration.get(REG_KEY) or {}
-        ref = self.ref_for(request_id) or parse_traceparent(carried.get("traceparent"))
+        ref = self.ref_for(request_id) or _registration_ref(registration)
         now = self._rec.now()
-        start = carried.get("allocated_ns", now)
+        start = (registration.get(REG_KEY) or {}).get("allocated_ns", now)
         self._rec.record(ref, Stage.REGISTRATION, min(start, now), now, self._attrs(request_id))
 
     def _wrap_handle_push_reg_notif(self, original):

@@ -30,11 +30,11 @@ import aiohttp
 from aiohttp import web
 
 from kvtrace.telemetry import Mode, Role, Stage, TelemetryConfig, TraceRef, configure, sampler, semconv
-from kvtrace.telemetry.context import new_span_id, parse_traceparent
+from kvtrace.telemetry.context import parse_traceparent
+from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 
 logger = logging.getLogger("kvtrace.router")
 
-PARAM_TRACEPARENT = "kvtrace_traceparent"  # the connector's carrier (kvtrace.connector.protocol)
 ATTR_TTFT_NS = "kvtrace.router.ttft_ns"
 ATTR_STATUS = "http.response.status_code"
 

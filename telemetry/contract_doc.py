@@ -58,6 +58,8 @@ def render() -> str:
     for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,
                  semconv.FailureCause):
         lines.append(f"- `{enum.__name__}`: " + ", ".join(f"`{m.value}`" for m in enum))
+    lines += ["", f"Trace context between router, P and D: a W3C `traceparent` under the key "
+              f"`{semconv.PARAM_TRACEPARENT}` of vLLM's `kv_transfer_params`."]
     lines += ["", f"Span events: `{semconv.FAILURE_EVENT}` on a failed stage, with "
               f"`{semconv.ATTR_FAILURE_CAUSE}`; the span's status is ERROR.", ""]
     return "\n".join(lines)

@@ -197,22 +197,13 @@ STAGES: Final[dict[Stage, StageSpec]] = {
 STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
 """Stages in the order a request meets them (handshake, when it happens, sits before prep)."""
 
-SPAN_NAMES: Final[frozenset[str]] = frozenset(s.span_name for s in STAGES.values())
-
-
-def stage_for_span(span_name: str, role: str | None = None) -> Stage | None:
-    """Map an exported span back to its stage; ``engine.queue`` needs the instance's role."""
-    if span_name == SPAN_ENGINE_QUEUE:
-        return Stage.D_QUEUE if role == Role.CONSUMER.value else Stage.P_QUEUE
-    for stage, spec in STAGES.items():
-        if spec.span_name == span_name:
-            return stage
-    return None
-
-
 # --------------------------------------------------------------------------------------
 # Span attributes
 # --------------------------------------------------------------------------------------
+
+PARAM_TRACEPARENT: Final = "kvtrace_traceparent"
+"""Key in vLLM's ``kv_transfer_params`` carrying the W3C ``traceparent`` router → P and D (and
+P's returned params → router → D in pull). vLLM passes the key on without reading it."""
 
 ATTR_CATEGORY: Final = "kvtrace.category"
 """The stage's :class:`Category` value; set by kvtrace on every span it exports."""

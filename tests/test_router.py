@@ -10,9 +10,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvtrace.router import PARAM_TRACEPARENT, Router, RouterConfig
+from kvtrace.router import Router, RouterConfig
 from kvtrace.telemetry import Mode, Role, Sampler, TelemetryConfig, build_resource
 from kvtrace.telemetry.context import parse_traceparent
+from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 from kvtrace.telemetry.recorder import Recorder
 
 

@@ -9,9 +9,10 @@ deliver notifications. Everything else (scheduler, worker, writer thread) is vLL
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from types import SimpleNamespace
+
+from .launch import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -71,12 +72,6 @@ class FakeNixlWrapper:
         pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_vllm_config(model_dir: str, connector: str, kv_role: str, engine_id: str,
                      kvtrace_block: dict | None = None):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -121,6 +116,13 @@ def kv_cache_config():
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def stand_in_transfer_topology(worker) -> None:
+    """What ``register_kv_caches`` (real memory, a live remote agent) would build, reduced to
+    what the decode step and notification counting use: one P rank per D rank."""
+    worker.transfer_topo = SimpleNamespace(tp_ratio=lambda remote_tp_size: 1,
+                                           unregister_remote_engine=lambda engine_id: None)
 
 
 def build_connector(model_dir: str, connector: str, kv_role: str, role: str, engine_id: str,

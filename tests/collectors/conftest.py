@@ -1,18 +1,7 @@
-import time
-
 import pytest
 
 from kvtrace.collectors.config import CollectorConfig
 from kvtrace.collectors.service import Collector
-
-
-def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 @pytest.fixture

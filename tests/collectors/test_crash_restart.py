@@ -5,14 +5,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import duckdb
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from kvtrace.testbed.launch import free_port
-from tests.collectors.conftest import wait_until
+from tests.helpers import wait_until
 from tests.collectors.traces import build
 
 

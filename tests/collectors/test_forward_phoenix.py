@@ -22,7 +22,7 @@ def test_spans_read_back_from_phoenix_equal_what_was_sent(tmp_path):
         f"{PHOENIX_PYTHON} not found: run `make test` (it builds .venv-phoenix) or set KVTRACE_PHOENIX_PYTHON")
     script = ROOT / "tests" / "collectors" / "phoenix_roundtrip.py"
     result = subprocess.run(
-        ["unshare", "--net", "sh", "-c", f'ip link set lo up && exec "$0" "$@"', sys.executable, str(script),
+        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, str(script),
          PHOENIX_PYTHON, str(tmp_path)],
         capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]

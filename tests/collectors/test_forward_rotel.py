@@ -7,7 +7,7 @@ import pytest
 from kvtrace.collectors.config import ForwardPolicy
 from kvtrace.collectors.peers import Rotel
 from kvtrace.collectors.receivers import OtlpGrpcReceiver
-from tests.collectors.conftest import wait_until
+from tests.helpers import wait_until
 from tests.collectors.traces import build
 
 

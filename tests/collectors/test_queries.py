@@ -3,7 +3,7 @@
 import pytest
 
 from kvtrace.collectors import queries
-from tests.collectors.conftest import wait_until
+from tests.helpers import wait_until
 from tests.collectors.traces import MS, build
 
 

@@ -14,7 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from tests.collectors.conftest import wait_until
+from tests.helpers import wait_until
 from tests.collectors.traces import build
 
 

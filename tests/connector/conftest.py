@@ -8,7 +8,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvtrace.telemetry import setup as telemetry_setup
 from kvtrace.testbed import inproc
-from kvtrace.testbed.inproc import FakeNixlWrapper  # noqa: F401  (re-exported for the tests)
 from kvtrace.testbed.model import build
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -15,7 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
 from kvtrace.telemetry.context import TraceRef
-from tests.connector.conftest import FakeNixlWrapper
+from kvtrace.testbed.inproc import FakeNixlWrapper, stand_in_transfer_topology
+from tests.helpers import wait_until
+
+until = functools.partial(wait_until, timeout_s=5.0, interval_s=0.005)  # the writer thread is quick
 
 P_ID = "cmpl-req1-0-aaaaaaaa"
 D_ID = "cmpl-req1-0-bbbbbbbb"
@@ -51,15 +54,6 @@ def finished_blocks(expires_in: float = 30.0) -> NixlConnectorMetadata:
     return meta
 
 
-def until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return condition()
-
-
 @pytest.fixture
 def producer(build_connector, monkeypatch):
     monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks_for_req", fake_xfer_blocks_for_req)
@@ -67,9 +61,7 @@ def producer(build_connector, monkeypatch):
     worker = connector.connector_worker
     worker._remote_agents["d-engine"] = {(0, 0): "agent-d"}  # already handshaken with D
     worker._engine_last_active["d-engine"] = time.perf_counter()
-    # register_kv_caches (real memory, a real agent) would build this; one P and one D rank.
-    worker.transfer_topo = SimpleNamespace(tp_ratio=lambda remote_tp_size: 1,
-                                           unregister_remote_engine=lambda engine_id: None)
+    stand_in_transfer_topology(worker)
     threading.Thread(target=worker._push_writer_loop, name="nixl-push-writer", daemon=True).start()
     return connector
 

@@ -12,7 +12,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from kvtrace.connector.protocol import PARAM_TRACEPARENT, WorkerReport
+from kvtrace.connector.protocol import WorkerReport
+from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 from kvtrace.telemetry.context import TraceRef
 
 TRACE = TraceRef(0x5B8EFFF798038103D269B633813FC60C, 0xEEE19B7EC3C1B174, True)
