@@ -71,8 +71,8 @@ def main() -> int:
 
     spans = [0]
 
-    def count(request):
-        spans[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+    def count(batch):
+        spans[0] += len(batch.rows)
 
     sink = (OtlpGrpcReceiver if args.protocol == "grpc" else OtlpHttpReceiver)(count, port=0)
     sink.start()

@@ -3,8 +3,10 @@
 Spans arrive in any order, from many processes, sometimes twice. A trace is held until
 ``decision_wait`` has passed since its last span arrived (stragglers from P's release
 usually land just after D's first token), or until ``max_age`` since its first span, and
-then handed on. Memory is bounded by ``max_traces``: past it, the oldest trace is handed on
-early and counted. A span for a trace already handed on is late: the trace is handed on
+then handed on. Pending traces are kept in order of their last span, so a poll looks only
+at the traces that are ready (and, about once a second, scans all for ``max_age``). Memory
+is bounded by ``max_traces``: past it, the trace quietest the longest is handed on early and
+counted. A span for a trace already handed on is late: the trace is handed on
 again with it (the store replaces the trace's breakdown), from a bounded cache of recently
 decided traces.
 """
@@ -48,25 +50,30 @@ class Assembler:
         self._pending: collections.OrderedDict[str, TraceBuffer] = collections.OrderedDict()
         self._decided: collections.OrderedDict[str, dict[str, SpanRow]] = collections.OrderedDict()
         self._decided_cache = decided_cache
+        self._next_age_scan = 0.0
         self._lock = threading.Lock()
         self.stats = AssemblerStats()
 
     def add(self, rows: list[SpanRow]) -> None:
         now = self._clock()
         evicted = []
+        pending = self._pending
         with self._lock:
             for row in rows:
-                buffer = self._pending.get(row.trace_id)
+                buffer = pending.get(row.trace_id)
                 if buffer is None:
                     decided = self._decided.pop(row.trace_id, None)
                     buffer = TraceBuffer(dict(decided) if decided else {}, now, now, late=decided is not None)
                     if decided is not None:
                         self.stats.traces_late += 1
-                    self._pending[row.trace_id] = buffer
-                if row.span_id in buffer.spans:
+                    pending[row.trace_id] = buffer
+                elif buffer.last_seen != now:
+                    buffer.last_seen = now
+                    pending.move_to_end(row.trace_id)  # keep the order of last arrival
+                spans = buffer.spans
+                if row.span_id in spans:
                     self.stats.duplicate_spans += 1
-                buffer.spans[row.span_id] = row
-                buffer.last_seen = now
+                spans[row.span_id] = row
             while len(self._pending) > self._max_traces:
                 trace_id, buffer = self._pending.popitem(last=False)
                 self.stats.traces_evicted += 1
@@ -78,10 +85,20 @@ class Assembler:
         """Hand on every trace that is ready; returns how many."""
         now = self._clock()
         ready = []
+        pending = self._pending
         with self._lock:
-            for trace_id, buffer in list(self._pending.items()):
-                if flush_all or now - buffer.last_seen >= self._wait or now - buffer.first_seen >= self._max_age:
-                    ready.append((trace_id, self._pending.pop(trace_id)))
+            if flush_all:
+                ready = list(pending.items())
+                pending.clear()
+            while pending:  # oldest last arrival first: stop at the first still waiting
+                trace_id, buffer = next(iter(pending.items()))
+                if now - buffer.last_seen < self._wait:
+                    break
+                ready.append((trace_id, pending.pop(trace_id)))
+            if pending and now >= self._next_age_scan:
+                self._next_age_scan = now + min(1.0, self._max_age / 4)
+                for trace_id in [t for t, b in pending.items() if now - b.first_seen >= self._max_age]:
+                    ready.append((trace_id, pending.pop(trace_id)))
         for trace_id, buffer in ready:
             self._decide(trace_id, buffer)
         return len(ready)

@@ -22,23 +22,24 @@ otherwise the offset is the middle of the intersection.
 from __future__ import annotations
 
 import collections
+import operator
 import statistics
 from dataclasses import dataclass, field
 
 from kvtrace.telemetry import semconv
-from kvtrace.telemetry.semconv import Category
+from kvtrace.telemetry.semconv import Category, Side, Stage
 
 from .model import SpanRow
 
-ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
-_SIDES = {"router": ROUTER, "producer": PREFILL, "consumer": DECODE}
-ROUTE = (ROUTER, "pd.route")
-ROOT = (ROUTER, "pd.request")
+ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Side.DECODE))
+ROUTE = (ROUTER, semconv.STAGE_LABELS[Stage.PD_ROUTE])
+ROOT = (ROUTER, semconv.STAGE_LABELS[Stage.PD_REQUEST])
+FIRST_TOKEN = (DECODE, semconv.STAGE_LABELS[Stage.FIRST_TOKEN])
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
 PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     "push": {
-        (DECODE, "first_token"): [(DECODE, "d_queue")],
+        FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(PREFILL, "write")],
         (PREFILL, "write"): [(PREFILL, "descriptor_prep")],
@@ -53,7 +54,7 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
         ROUTE: [],
     },
     "pull": {
-        (DECODE, "first_token"): [(DECODE, "d_queue")],
+        FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(DECODE, "read")],
         (DECODE, "read"): [(DECODE, "descriptor_prep")],
@@ -68,24 +69,25 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
 EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
-_CATEGORY = {spec.span_name if stage.name.startswith("PD_") else stage.name.lower(): spec.category.value
-             for stage, spec in semconv.STAGES.items()}
+_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
+# stage label -> the detail attributes recorded on it (no other span's attributes are read)
+_DETAILS: dict[str, list[str]] = {}
+for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
+    for _stage in _stages:
+        _DETAILS.setdefault(semconv.STAGE_LABELS[_stage], []).append(_key)
+_TTFT = semconv.ATTR_ROUTER_TTFT_NS
 CATEGORIES = (Category.COMPUTE, Category.QUEUE, Category.COORDINATION, Category.WIRE, Category.UNATTRIBUTED)
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
-_ROOT_CATEGORY = Category.ROOT.value
 _COORDINATION = Category.COORDINATION.value
-
-
-def side_of(span: SpanRow) -> str:
-    return _SIDES.get(span.role, span.service)
+_START = operator.attrgetter("start")
 
 
 def key_of(span: SpanRow) -> tuple[str, str]:
-    return side_of(span), span.name if span.name.startswith("pd.") else span.stage
+    return span.origin.side, span.stage
 
 
-@dataclass
+@dataclass(slots=True)
 class StageTiming:
     side: str
     stage: str
@@ -188,40 +190,49 @@ class Attributor:
         self.offsets = OffsetEstimator()
 
     def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown:
-        index: dict[tuple[str, str], SpanRow] = {}
-        for span in sorted(spans, key=lambda s: s.start):
-            index.setdefault(key_of(span), span)
+        index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
+        error = False
+        mode = ""
+        for span in spans:
+            origin = span.origin
+            key = (origin.side, span.stage)
+            seen = index.get(key)
+            if seen is None or span.start < seen.start:
+                index[key] = span
+            if span.status == 2:
+                error = True
+            if not mode:
+                mode = origin.mode
         root = index.get(ROOT)
-        mode = next((s.mode for s in spans if s.mode), "push")
         if mode not in PREDECESSORS:
             mode = "push"
         offsets = self._offsets(index, root, mode)
-
-        def on_ref(span: SpanRow) -> tuple[int, int]:
-            off = offsets.get(span.instance, 0)
-            return span.start + off, span.end + off
-
-        timings = {key: StageTiming(key[0], key[1], _CATEGORY.get(key[1], _COORDINATION), *on_ref(span))
-                   for key, span in index.items()}
-        first = timings.get((DECODE, "first_token"))
+        timings = {}
+        for key, span in index.items():
+            off = offsets.get(span.origin.instance, 0)
+            timings[key] = StageTiming(key[0], key[1], _CATEGORY.get(key[1], _COORDINATION), span.start + off,
+                                       span.end + off)
+        first = timings.get(FIRST_TOKEN)
         if root is not None:
             start = root.start
-            ttft = root.attrs.get("kvtrace.router.ttft_ns")
+            ttft = root.attrs.get(_TTFT)
             end = start + int(ttft) if ttft else (first.end if first else root.end)
         else:
             start = min(t.start for t in timings.values())
             end = first.end if first else max(t.end for t in timings.values())
-        walkable = {k: t for k, t in timings.items() if t.category != _ROOT_CATEGORY}
+        walkable = dict(timings)
+        walkable.pop(ROOT, None)
         parts = self._walk(walkable, PREDECESSORS[mode], start, end)
 
-        missing = sorted(f"{side}:{stage}" for side, stage in EXPECTED[mode] - set(index))
+        missing = EXPECTED[mode] - index.keys()
+        missing = sorted(f"{side}:{stage}" for side, stage in missing) if missing else []
         breakdown = Breakdown(
-            trace_id=trace_id, request_id=_request_id(spans), mode=mode, start_ns=start,
-            ttft_ns=end - start, parts=parts, stages=sorted(timings.values(), key=lambda t: t.start),
-            complete=not missing, missing=missing, error=any(s.status == 2 for s in spans),
+            trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
+            ttft_ns=end - start, parts=parts, stages=sorted(timings.values(), key=_START),
+            complete=not missing, missing=missing, error=error,
             offsets_ns={inst: off for inst, off in offsets.items() if off},
         )
-        self._details(breakdown, index, spans)
+        self._details(breakdown, spans)
         return breakdown
 
     # ------------------------------------------------------------------ the walk
@@ -231,32 +242,30 @@ class Attributor:
         parts = dict.fromkeys(_CATEGORY_NAMES, 0)
         if end <= start:
             return parts
-
-        def charge(category: str, a: int, b: int) -> None:
-            parts[category] += b - a
-
-        node_key = (DECODE, "first_token")
+        node_key = FIRST_TOKEN
         if node_key not in timings:  # no first token: start from whatever ended last
-            candidates = list(timings)
-            node_key = max(candidates, key=lambda k: timings[k].end) if candidates else None
+            node_key = max(timings, key=lambda k: timings[k].end, default=None)
         t = end
         while node_key is not None and t > start:
             node = timings[node_key]
-            preds = [p for p in graph.get(node_key, []) if p in timings]
-            if node_key not in graph:  # off the known graph: anything that ended before it
+            preds = graph.get(node_key)
+            if preds is None:  # off the known graph: anything that ended before it
                 preds = [k for k, s in timings.items() if k != node_key and s.end <= node.start]
-            pred_key = max(preds, key=lambda k: timings[k].end) if preds else None
+            pred_key = pred = None
+            for key in preds:  # the predecessor that ended last (the first of equals)
+                candidate = timings.get(key)
+                if candidate is not None and (pred is None or candidate.end > pred.end):
+                    pred_key, pred = key, candidate
             seg_end = max(min(node.end, t), start)
-            seg_start = max(node.start, timings[pred_key].end if pred_key else start, start)
-            seg_start = min(seg_start, seg_end)
+            seg_start = min(max(node.start, pred.end if pred is not None else start, start), seg_end)
             if seg_end < t:
-                charge(_UNATTRIBUTED, seg_end, t)
-            charge(node.category, seg_start, seg_end)
+                parts[_UNATTRIBUTED] += t - seg_end
+            parts[node.category] += seg_end - seg_start
             node.critical_ns = seg_end - seg_start
             t = seg_start
             node_key = pred_key
         if t > start:
-            charge(_UNATTRIBUTED, start, t)
+            parts[_UNATTRIBUTED] += t - start
         return parts
 
     # ------------------------------------------------------------------ clocks
@@ -265,37 +274,41 @@ class Attributor:
         """Offsets to the router's clock (or P's, without a router) for each instance."""
         offsets: dict[str, int] = {}
         get = index.get
-        p_any = next((s for (side, _), s in index.items() if side == PREFILL), None)
-        d_any = next((s for (side, _), s in index.items() if side == DECODE), None)
+        p_any = d_any = None
+        for (side, _), span in index.items():
+            if side == PREFILL and p_any is None:
+                p_any = span
+            elif side == DECODE and d_any is None:
+                d_any = span
         if root is not None:
-            offsets[root.instance] = 0
-            route_end = get(ROUTE).end if get(ROUTE) else root.start
-            ttft = root.attrs.get("kvtrace.router.ttft_ns")
+            offsets[root.origin.instance] = 0
+            route = get(ROUTE)
+            route_end = route.end if route is not None else root.start
+            ttft = root.attrs.get(_TTFT)
             first_token_at_router = root.start + int(ttft) if ttft else root.end
+            relay = get((ROUTER, "registration"))  # pull: P's params relayed to D
             if p_any is not None:
-                lower = route_end - get((PREFILL, "p_queue")).start if get((PREFILL, "p_queue")) else None
+                p_queue, prefill = get((PREFILL, "p_queue")), get((PREFILL, "prefill"))
+                lower = route_end - p_queue.start if p_queue is not None else None
                 upper = None
-                if get((ROUTER, "registration")) and get((PREFILL, "prefill")):
-                    upper = get((ROUTER, "registration")).start - get((PREFILL, "prefill")).end
-                elif get((PREFILL, "prefill")):
-                    upper = first_token_at_router - get((PREFILL, "prefill")).end
-                self.offsets.add(p_any.instance, lower, upper)
-                offsets[p_any.instance] = self.offsets.estimate(p_any.instance)
+                if prefill is not None:
+                    upper = (relay.start if relay is not None else first_token_at_router) - prefill.end
+                self.offsets.add(p_any.origin.instance, lower, upper)
+                offsets[p_any.origin.instance] = self.offsets.estimate(p_any.origin.instance)
             if d_any is not None:
-                after = get((ROUTER, "registration")).end if mode == "pull" and get((ROUTER, "registration")) \
-                    else route_end
-                lower = after - get((DECODE, "allocation")).start if get((DECODE, "allocation")) else None
-                upper = first_token_at_router - get((DECODE, "first_token")).end \
-                    if get((DECODE, "first_token")) else None
-                lower, upper = self._tighten_with_prefill(index, offsets.get(p_any.instance, 0) if p_any else 0,
+                after = relay.end if mode == "pull" and relay is not None else route_end
+                allocation, first = get((DECODE, "allocation")), get(FIRST_TOKEN)
+                lower = after - allocation.start if allocation is not None else None
+                upper = first_token_at_router - first.end if first is not None else None
+                lower, upper = self._tighten_with_prefill(index, offsets.get(p_any.origin.instance, 0) if p_any else 0,
                                                           lower, upper)
-                self.offsets.add(d_any.instance, lower, upper)
-                offsets[d_any.instance] = self.offsets.estimate(d_any.instance)
+                self.offsets.add(d_any.origin.instance, lower, upper)
+                offsets[d_any.origin.instance] = self.offsets.estimate(d_any.origin.instance)
         elif p_any is not None and d_any is not None:
-            offsets[p_any.instance] = 0
+            offsets[p_any.origin.instance] = 0
             lower, upper = self._tighten_with_prefill(index, 0, None, None)
-            self.offsets.add(d_any.instance, lower, upper)
-            offsets[d_any.instance] = self.offsets.estimate(d_any.instance)
+            self.offsets.add(d_any.origin.instance, lower, upper)
+            offsets[d_any.origin.instance] = self.offsets.estimate(d_any.origin.instance)
         return offsets
 
     @staticmethod
@@ -315,28 +328,39 @@ class Attributor:
     # ------------------------------------------------------------------ details
 
     @staticmethod
-    def _details(breakdown: Breakdown, index, spans: list[SpanRow]) -> None:
+    def _details(breakdown: Breakdown, spans: list[SpanRow]) -> None:
         for span in spans:
+            origin = span.origin
+            if origin.side == PREFILL:
+                breakdown.prefill_instance = origin.instance
+            elif origin.side == DECODE:
+                breakdown.decode_instance = origin.instance
+            keys = _DETAILS.get(span.stage)
+            if keys is None:
+                continue
             attrs = span.attrs
-            if span.stage == "rendezvous":
-                breakdown.rendezvous_order = str(attrs.get(semconv.ATTR_RENDEZVOUS_ORDER) or "")
-            if span.stage in ("write", "read"):
-                breakdown.transfer_bytes += int(attrs.get(semconv.ATTR_TRANSFER_BYTES) or 0)
-                breakdown.transfer_post_us += int(attrs.get(semconv.ATTR_TRANSFER_POST_US) or 0)
-                breakdown.transfer_xfer_us += int(attrs.get(semconv.ATTR_TRANSFER_XFER_US) or 0)
-            breakdown.engine_loop_ns += int(attrs.get(semconv.ATTR_ENGINE_LOOP_NS) or 0)
-            tokens = attrs.get(semconv.ATTR_INPUT_TOKENS)
-            if tokens:
-                breakdown.prompt_tokens = max(breakdown.prompt_tokens, int(tokens))
-            side = side_of(span)
-            if side == PREFILL:
-                breakdown.prefill_instance = span.instance
-            elif side == DECODE:
-                breakdown.decode_instance = span.instance
+            for key in keys:
+                value = attrs.get(key)
+                if not value:
+                    continue
+                if key == semconv.ATTR_RENDEZVOUS_ORDER:
+                    breakdown.rendezvous_order = str(value)
+                elif key == semconv.ATTR_TRANSFER_BYTES:
+                    breakdown.transfer_bytes += int(value)
+                elif key == semconv.ATTR_TRANSFER_POST_US:
+                    breakdown.transfer_post_us += int(value)
+                elif key == semconv.ATTR_TRANSFER_XFER_US:
+                    breakdown.transfer_xfer_us += int(value)
+                elif key == semconv.ATTR_ENGINE_LOOP_NS:
+                    breakdown.engine_loop_ns += int(value)
+                elif key == semconv.ATTR_INPUT_TOKENS:
+                    breakdown.prompt_tokens = max(breakdown.prompt_tokens, int(value))
 
 
-def _request_id(spans: list[SpanRow]) -> str:
-    for span in spans:
-        if span.name == "pd.request" and span.attrs.get(semconv.ATTR_REQUEST_ID):
-            return str(span.attrs[semconv.ATTR_REQUEST_ID])
-    return next((str(s.attrs[semconv.ATTR_REQUEST_ID]) for s in spans if s.attrs.get(semconv.ATTR_REQUEST_ID)), "")
+def _request_id(root: SpanRow | None, spans: list[SpanRow]) -> str:
+    """The root's request id, else the first span's that has one."""
+    for span in ([root] if root is not None else []) + spans:
+        request_id = span.attrs.get(semconv.ATTR_REQUEST_ID)
+        if request_id:
+            return str(request_id)
+    return ""

@@ -12,6 +12,7 @@ DEFAULT_QUEUE_REQUESTS = 2_000
 DEFAULT_DECISION_WAIT_S = 2.0
 DEFAULT_MAX_AGE_S = 30.0
 DEFAULT_MAX_TRACES = 20_000
+DEFAULT_ARCHIVE_BYTES = 4 * 1024**3
 
 
 @dataclasses.dataclass
@@ -58,6 +59,7 @@ class CollectorConfig:
     max_age_s: float = DEFAULT_MAX_AGE_S
     max_traces: int = DEFAULT_MAX_TRACES
     fsync: bool = False
+    archive_bytes: int = DEFAULT_ARCHIVE_BYTES  # originals kept in the write-ahead log beyond what it needs
     metrics_port: int | None = None
 
     @property
@@ -82,6 +84,8 @@ class CollectorConfig:
                             ("--max-body-bytes", self.max_body_bytes)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be >= 1")
+        if self.archive_bytes < 0:
+            raise ValueError(f"--archive-gib: must be >= 0, got {self.archive_bytes} bytes")
         if self.decision_wait_s < 0 or self.max_age_s <= 0:
             raise ValueError("--decision-wait must be >= 0 and --max-age > 0")
 

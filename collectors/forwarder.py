@@ -17,14 +17,13 @@ from urllib.parse import urlparse
 
 import grpc
 import requests as http
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_GRPC = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 _RETRYABLE_HTTP = {429, 502, 503, 504}
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
 
 class PermanentForwardError(Exception):
@@ -63,7 +62,9 @@ class Upstream:
             channel = grpc.secure_channel(target, grpc.ssl_channel_credentials()) if parsed.scheme == "https" \
                 else grpc.insecure_channel(target)
             self._channel = channel
-            self._stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            # The bytes as received go out as they are: no parse, no re-serialization.
+            self._export = channel.unary_unary(_EXPORT_METHOD, request_serializer=None,
+                                               response_deserializer=None)
         else:
             self._channel = None
             self._session = http.Session()
@@ -86,12 +87,13 @@ class Upstream:
         if self._channel is not None:
             self._channel.close()
 
-    def consume(self, request: ExportTraceServiceRequest) -> None:
+    def consume(self, payload: bytes, spans: int) -> None:
+        """Queue one serialized ``ExportTraceServiceRequest`` holding ``spans`` spans."""
         with self._cond:
             if len(self._queue) >= self._queue_size:
                 self._queue.popleft()
                 self.stats.dropped += 1
-            self._queue.append((request, time.monotonic()))
+            self._queue.append((payload, spans, time.monotonic()))
             self._cond.notify()
 
     def backlog(self) -> int:
@@ -107,9 +109,9 @@ class Upstream:
                     return
                 if self._stop:  # shutting down: one last try each, no waiting
                     backoff = 0.0
-                request, queued_at = self._queue[0]
+                payload, spans, queued_at = self._queue[0]
             try:
-                self._send(request)
+                self._send(payload)
             except PermanentForwardError as exc:
                 logger.warning("kvtrace forwarder %s: dropped a batch: %s", self.url, exc)
                 self._finish(dropped=True)
@@ -126,8 +128,7 @@ class Upstream:
                 continue
             backoff = 0.1
             self.stats.forwarded_requests += 1
-            self.stats.forwarded_spans += sum(len(ss.spans) for rs in request.resource_spans
-                                              for ss in rs.scope_spans)
+            self.stats.forwarded_spans += spans
             self._finish(dropped=False)
 
     def _finish(self, dropped: bool) -> None:
@@ -138,16 +139,16 @@ class Upstream:
                 self.stats.dropped += 1
             self._cond.notify_all()
 
-    def _send(self, request: ExportTraceServiceRequest) -> None:
+    def _send(self, payload: bytes) -> None:
         if self.protocol == "grpc":
             try:
-                self._stub.Export(request, timeout=self._timeout, metadata=list(self._headers.items()))
+                self._export(payload, timeout=self._timeout, metadata=list(self._headers.items()))
             except grpc.RpcError as exc:
                 if exc.code() in _RETRYABLE_GRPC:
                     raise
                 raise PermanentForwardError(f"{exc.code().name}: {exc.details()}") from None
             return
-        response = self._session.post(self._http_url, data=request.SerializeToString(), timeout=self._timeout,
+        response = self._session.post(self._http_url, data=payload, timeout=self._timeout,
                                       headers={"Content-Type": "application/x-protobuf", **self._headers})
         if response.status_code in _RETRYABLE_HTTP:
             raise ConnectionError(f"HTTP {response.status_code}")

@@ -5,14 +5,21 @@ Attribution: ``kvtrace_ttft_seconds{mode}`` and ``kvtrace_ttft_part_seconds{mode
 requests refused (busy, bad data), traces decided / incomplete / late, and per upstream the
 spans forwarded, failed attempts, batches dropped and backlog — the last group read from the
 forwarders' own counters when scraped, so forwarding costs nothing extra per span.
+
+The attribution histograms are observed once per trace on the pipeline thread, six values
+each; they are plain bucket counts rendered at scrape time (:class:`_Histogram`), because
+``prometheus_client.Histogram.observe`` (a lock and a walk over every bucket per value) cost
+more per trace than attributing it.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from .attribution import CATEGORIES, Breakdown
 
@@ -31,11 +38,12 @@ class CollectorMetrics:
                                ("mode", "complete"), registry=r)
         self._late = Counter("kvtrace_collector_traces_late_total",
                              "Traces decided again because spans arrived after the decision.", registry=r)
-        self._ttft = Histogram("kvtrace_ttft_seconds", "Time to first token seen by the router.", ("mode",),
-                               buckets=TTFT_BUCKETS, registry=r)
-        self._parts = Histogram("kvtrace_ttft_part_seconds", "Each category's share of one request's TTFT.",
-                                ("mode", "category"), buckets=PART_BUCKETS, registry=r)
-        self._by_mode: dict[str, Any] = {}
+        self._ttft = _Histogram("kvtrace_ttft_seconds", "Time to first token seen by the router.", ("mode",),
+                                TTFT_BUCKETS)
+        self._parts = _Histogram("kvtrace_ttft_part_seconds", "Each category's share of one request's TTFT.",
+                                 ("mode", "category"), PART_BUCKETS)
+        r.register(self._ttft)
+        r.register(self._parts)
 
     def watch(self, collector: Any) -> None:
         """Expose the forwarders' and assembler's own counters at scrape time."""
@@ -55,18 +63,45 @@ class CollectorMetrics:
         if late:
             self._late.inc()
         if breakdown.ttft_ns > 0:
-            ttft, parts = self._children(breakdown.mode)
-            ttft.observe(breakdown.ttft_ns / 1e9)
-            for category, child in parts:
-                child.observe(breakdown.parts.get(category, 0) / 1e9)
+            mode = breakdown.mode
+            self._ttft.observe((mode,), breakdown.ttft_ns / 1e9)
+            for category in _CATEGORY_NAMES:
+                self._parts.observe((mode, category), breakdown.parts.get(category, 0) / 1e9)
 
-    def _children(self, mode: str):
-        """Labelled children, looked up once per mode (labels() is a lookup with a lock)."""
-        children = self._by_mode.get(mode)
-        if children is None:
-            children = self._by_mode[mode] = (
-                self._ttft.labels(mode), [(c.value, self._parts.labels(mode, c.value)) for c in CATEGORIES])
-        return children
+
+_CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
+
+
+class _Histogram:
+    """A labelled Prometheus histogram kept as per-bucket counts; a registry collector.
+
+    Observed from one thread (the pipeline); a scrape reads a copy of the counts, so its
+    ``_count`` always equals its ``+Inf`` bucket.
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]):
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = list(labelnames)
+        self._bounds = list(buckets)
+        self._series: dict[tuple[str, ...], list] = {}  # labels -> [counts per bucket, +Inf last; sum]
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = [[0] * (len(self._bounds) + 1), 0.0]
+        series[0][bisect.bisect_left(self._bounds, value)] += 1  # first bucket with le >= value
+        series[1] += value
+
+    def collect(self):
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for labels, (counts, total) in list(self._series.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip([*map(floatToGoString, self._bounds), "+Inf"], list(counts)):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric(list(labels), buckets, total)
+        yield family
 
 
 class _Live:

@@ -1,8 +1,8 @@
 """OTLP trace receivers: gRPC ``TraceService/Export`` and HTTP ``POST /v1/traces``.
 
-Both decode with the official ``opentelemetry-proto`` messages, check what they decoded
-(ids, timestamps) and hand one ``ExportTraceServiceRequest`` at a time to the next stage's
-``consume``. As in the Collector's otlpreceiver, an error marked permanent becomes
+Both parse with the official ``opentelemetry-proto`` messages, decode and check the spans
+(ids, timestamps: :func:`.model.decode`) and hand one :class:`.model.SpanBatch` at a time to
+the next stage's ``consume``. As in the Collector's otlpreceiver, an error marked permanent becomes
 400 / INVALID_ARGUMENT (do not retry); anything else becomes 503 / UNAVAILABLE (retry).
 They listen on 127.0.0.1 unless told otherwise.
 """
@@ -15,7 +15,6 @@ import json
 import logging
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from http import HTTPStatus
@@ -27,48 +26,21 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from .model import PermanentError, SpanBatch, decode
+
 logger = logging.getLogger(__name__)
 
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
-Consumer = Callable[[ExportRequest], None]
+Consumer = Callable[[SpanBatch], None]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-# Timestamps outside [2000-01-01, now + 1 day] are treated as corrupt, not as data.
-_MIN_TIME_NS = 946_684_800 * 10**9
-_FUTURE_SLACK_NS = 86_400 * 10**9
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
 
-class PermanentError(ValueError):
-    """The data is wrong and retrying will not help (Collector: ``consumererror.NewPermanent``)."""
-
-
 class RetryLater(Exception):
     """The receiver's consumer cannot take data now (full); the sender should retry."""
-
-
-def validate(request: ExportRequest) -> int:
-    """Check ids and timestamps of every span; returns the span count or raises PermanentError."""
-    latest = time.time_ns() + _FUTURE_SLACK_NS
-    count = 0
-    for resource_spans in request.resource_spans:
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                count += 1
-                if len(span.trace_id) != 16 or not any(span.trace_id):
-                    raise PermanentError(f"span {span.name!r}: trace_id must be 16 non-zero bytes")
-                if len(span.span_id) != 8 or not any(span.span_id):
-                    raise PermanentError(f"span {span.name!r}: span_id must be 8 non-zero bytes")
-                if span.parent_span_id and len(span.parent_span_id) != 8:
-                    raise PermanentError(f"span {span.name!r}: parent_span_id must be 8 bytes")
-                start, end = span.start_time_unix_nano, span.end_time_unix_nano
-                if not (_MIN_TIME_NS <= start <= latest and _MIN_TIME_NS <= end <= latest):
-                    raise PermanentError(f"span {span.name!r}: timestamp out of range")
-                if end < start:
-                    raise PermanentError(f"span {span.name!r}: ends before it starts")
-    return count
 
 
 def _hex_ids_to_base64(node: Any) -> Any:
@@ -199,9 +171,13 @@ class OtlpHttpReceiver:
             return self._reply(h, HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                                f"use {PROTOBUF} or {JSON}", content_type)
         try:
-            request = decode_json(body) if content_type == JSON else decode_protobuf(body)
-            validate(request)
-            self._consume(request)
+            if content_type == JSON:
+                request = decode_json(body)
+                batch = SpanBatch(decode(request), request, request.SerializeToString())
+            else:
+                request = decode_protobuf(body)
+                batch = SpanBatch(decode(request), request, body)
+            self._consume(batch)
         except PermanentError as exc:
             return self._reply(h, HTTPStatus.BAD_REQUEST, str(exc), content_type)
         except RetryLater as exc:
@@ -256,8 +232,7 @@ class _TraceService:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
             request = decode_protobuf(raw)
-            validate(request)
-            self._consume(request)
+            self._consume(SpanBatch(decode(request), request, raw))
         except PermanentError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RetryLater as exc:

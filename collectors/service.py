@@ -1,11 +1,12 @@
-"""The collector pipeline: receivers → write-ahead log → decode → store + assembler → attribution,
-with a tee to upstream APMs.
+"""The collector pipeline: receivers (decode, check) → write-ahead log → store + assembler →
+attribution, with a tee to upstream APMs.
 
-``consume`` (called by a receiver thread) only reserves queue space, appends the request to
-the write-ahead log and enqueues it; the sender is acknowledged after that, and a full
-queue answers "try again" (503 / UNAVAILABLE) before anything is written. One pipeline
-thread does the rest, so ingestion is decoupled from the store, the attribution and every
-upstream. Start order is downstream first; shutdown is upstream first, flushing each stage.
+``consume`` (called by a receiver thread with a decoded :class:`SpanBatch`) only reserves
+queue space, appends the request's bytes to the write-ahead log and enqueues the batch;
+the sender is acknowledged after that, and a full queue answers "try again" (503 /
+UNAVAILABLE) before anything is written. One pipeline thread does the rest, so ingestion
+is decoupled from the store, the attribution and every upstream (the tee sends the bytes
+as received). Start order is downstream first; shutdown is upstream first, flushing each stage.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -26,7 +28,7 @@ from .attribution import Attributor, Breakdown
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
-from .model import SpanRow, decode
+from .model import SpanBatch, SpanRow, decode
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .store import Store
 from .wal import WriteAheadLog
@@ -43,7 +45,8 @@ class Collector:
         config.validate()
         self.config = config
         self.store = Store(config.db_path)
-        self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync)
+        self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync, archive_bytes=config.archive_bytes)
+        self._next_release = 0.0
         self.metrics = CollectorMetrics()
         self.attributor = Attributor()
         self.assembler = Assembler(self._on_trace, decision_wait_s=config.decision_wait_s,
@@ -99,46 +102,50 @@ class Collector:
 
     # ------------------------------------------------------------------ ingestion (receiver threads)
 
-    def consume(self, request: ExportTraceServiceRequest) -> None:
+    def consume(self, batch: SpanBatch) -> None:
         if not self._slots.acquire(blocking=False):
             self.metrics.rejected("busy")
             raise Busy("pipeline full")
         try:
-            payload = request.SerializeToString()
-            position = self.wal.append(payload)
+            position = self.wal.append(batch.payload)
         except Exception:
             self._slots.release()
             raise
-        self._queue.put((position, request, payload))
+        self._queue.put((position, batch))
 
     # ------------------------------------------------------------------ pipeline thread
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
             try:
-                position, request, payload = self._queue.get(timeout=0.1)
+                position, batch = self._queue.get(timeout=0.1)
             except queue.Empty:
                 self.assembler.poll()
                 continue
             try:
-                self._process(request, position, payload)
+                self._process(batch, position)
             except Exception:
                 logger.exception("kvtrace collector: could not process a request")
                 self.metrics.rejected("processing_error")
             finally:
                 self._slots.release()
-            if self._queue.empty():
-                self.assembler.poll()
+            self.assembler.poll()  # cheap: it looks only at traces that are ready
+            self._release_log()
 
-    def _process(self, request: ExportTraceServiceRequest, position: tuple[int, int] | None,
-                 payload: bytes) -> None:
-        rows = decode(request)
-        self.metrics.spans_received(len(rows))
-        self.store.add_spans(rows, position, payload)
-        self.assembler.add(rows)
+    def _release_log(self) -> None:
+        """Every 10 s: let the log drop applied segments beyond its archive size."""
+        now = time.monotonic()
+        if now >= self._next_release and self.store.committed_position is not None:
+            self._next_release = now + 10.0
+            self.wal.release(self.store.committed_position)
+
+    def _process(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
+        self.metrics.spans_received(len(batch.rows))
+        self.store.add_spans(batch, position)
+        self.assembler.add(batch.rows)
         if self._tee_all and not self._replaying:
             for upstream in self.upstreams:
-                upstream.consume(request)
+                upstream.consume(batch.payload, len(batch.rows))
 
     def _on_trace(self, trace_id: str, spans: list[SpanRow], late: bool) -> None:
         if self._replaying:
@@ -147,9 +154,9 @@ class Collector:
         self.store.add_breakdown(breakdown, replaces=late or self._replaying)
         self.metrics.trace(breakdown, late)
         if not self._tee_all and not self._replaying and self.upstreams and self._selected(breakdown):
-            request = rebuild_request(spans)
+            payload = rebuild_request(spans).SerializeToString()
             for upstream in self.upstreams:
-                upstream.consume(request)
+                upstream.consume(payload, len(spans))
 
     def _selected(self, breakdown: Breakdown) -> bool:
         for policy in self.config.forward_policies:
@@ -172,7 +179,7 @@ class Collector:
             for position, payload in self.wal.replay(after):
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(payload)
-                self._process(request, position, payload)
+                self._process(SpanBatch.of(request, payload), position)
                 replayed += 1
             self.assembler.poll(flush_all=True)
             self.store.flush()
@@ -180,13 +187,23 @@ class Collector:
             self._replaying = False
         if replayed:
             logger.info("kvtrace collector: replayed %d requests from the write-ahead log", replayed)
-        self.wal.truncate_before(self.store.wal_position())
+        self.wal.release(self.store.wal_position())
 
     def _with_stored(self, trace_id: str, spans: list[SpanRow]) -> list[SpanRow]:
-        """Spans of this trace committed before the restart, so its breakdown is whole."""
+        """Spans of this trace committed before the restart (decoded again from their originals
+        in the log), so its breakdown is whole."""
         known = {s.span_id for s in spans}
-        for row in self.store.stored_rows(trace_id):
-            if row.span_id not in known:
+        decoded: dict[tuple[int, int], list[SpanRow]] = {}
+        for segment, offset, length, index in self.store.stored_originals(trace_id):
+            if (segment, offset) not in decoded:
+                payload = self.wal.read(segment, offset, length)
+                request = ExportTraceServiceRequest()
+                if payload is not None:
+                    request.ParseFromString(payload)
+                decoded[segment, offset] = decode(request)
+            rows = decoded[segment, offset]
+            row = rows[index] if index < len(rows) else None
+            if row is not None and row.span_id not in known:
                 known.add(row.span_id)
                 spans.append(row)
         return spans
@@ -198,14 +215,15 @@ def rebuild_request(spans: list[SpanRow]) -> ExportTraceServiceRequest:
     groups: dict[tuple[int, int], Any] = {}
     resources: dict[int, Any] = {}
     for row in spans:
-        key = (id(row.resource), id(row.scope))
+        resource = row.origin.resource
+        key = (id(resource), id(row.scope))
         scope_spans = groups.get(key)
         if scope_spans is None:
-            resource_spans = resources.get(id(row.resource))
+            resource_spans = resources.get(id(resource))
             if resource_spans is None:
-                resource_spans = resources[id(row.resource)] = request.resource_spans.add()
-                if row.resource is not None:
-                    resource_spans.resource.CopyFrom(row.resource)
+                resource_spans = resources[id(resource)] = request.resource_spans.add()
+                if resource is not None:
+                    resource_spans.resource.CopyFrom(resource)
             scope_spans = groups[key] = resource_spans.scope_spans.add()
             if row.scope is not None:
                 scope_spans.scope.CopyFrom(row.scope)

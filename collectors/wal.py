@@ -1,12 +1,17 @@
-"""Write-ahead log: what the collector acknowledged is on disk before the sender hears "OK".
+"""Write-ahead log and archive of originals: each export request, as received, once on disk.
 
 Each accepted export request is appended as ``length (4 bytes) | crc32 (4 bytes) | bytes``
-to the current segment and flushed to the operating system (``fsync=True`` also forces it
-to the device, for power loss; a killed process loses nothing either way). The store
-records, in the same transaction as the rows, the position up to which the log is applied;
-on restart everything after it is replayed. Segments wholly before that position are
-deleted. A torn record at the tail (a crash mid-append) is detected by length or CRC and
-cut off.
+to the current segment and flushed to the operating system before the sender hears "OK"
+(``fsync=True`` also forces it to the device, for power loss; a killed process loses
+nothing either way). The store records, in the same transaction as the rows, the position
+up to which the log is applied; on restart everything after it is replayed. A torn record
+at the tail (a crash mid-append) is detected by length or CRC and cut off.
+
+The same records are the archive of the original requests: the store keeps columns and a
+pointer (segment, end offset, length) per request, not a second copy of the bytes (which
+cost more CPU than everything else the store does). Applied segments are deleted oldest
+first once the log is over ``archive_bytes``; a pointer into a deleted segment reads as
+``None``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ class WriteAheadLog:
     """Positions are ``(segment number, byte offset after the record)``."""
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False,
-                 segment_bytes: int = SEGMENT_BYTES) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, archive_bytes: int = 4 * 1024**3) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._segment_bytes = segment_bytes
+        self._archive_bytes = archive_bytes
         self._lock = threading.Lock()
         segments = self.segments()
         self._number = segments[-1] if segments else 1
@@ -74,12 +80,28 @@ class WriteAheadLog:
                         break
                     yield (number, handle.tell()), record
 
-    def truncate_before(self, position: tuple[int, int]) -> None:
-        """Delete segments every record of which is at or before ``position``."""
+    def read(self, segment: int, end: int, length: int) -> bytes | None:
+        """The record of ``length`` bytes ending at ``(segment, end)``; None once deleted (or damaged)."""
+        try:
+            with open(self.directory / _segment_name(segment), "rb") as handle:
+                handle.seek(end - length - _HEADER.size)
+                return _read_record(handle)
+        except (FileNotFoundError, ValueError, OSError):
+            return None
+
+    def release(self, applied: tuple[int, int]) -> int:
+        """Everything up to ``applied`` is in the store: delete the oldest segments before it
+        while the log is over ``archive_bytes``. Returns how many were deleted."""
         with self._lock:
-            for number in self.segments():
-                if number < position[0] and number != self._number:
-                    (self.directory / _segment_name(number)).unlink(missing_ok=True)
+            sizes = {n: (self.directory / _segment_name(n)).stat().st_size for n in self.segments()}
+            total, deleted = sum(sizes.values()), 0
+            for number, size in sizes.items():
+                if total <= self._archive_bytes or number >= applied[0] or number == self._number:
+                    break
+                (self.directory / _segment_name(number)).unlink(missing_ok=True)
+                total -= size
+                deleted += 1
+            return deleted
 
     def close(self) -> None:
         with self._lock:

@@ -58,6 +58,9 @@ def _collector_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decision-wait", type=float, default=c.DEFAULT_DECISION_WAIT_S,
                         help="seconds to wait after a trace's last span before attributing it")
     parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
+    parser.add_argument("--archive-gib", type=float, default=c.DEFAULT_ARCHIVE_BYTES / 1024**3,
+                        help="keep the original requests in the write-ahead log up to this size "
+                             f"(default {c.DEFAULT_ARCHIVE_BYTES // 1024**3} GiB; 0: only until stored)")
 
 
 def _cmd_collector(args: argparse.Namespace) -> int:
@@ -77,7 +80,8 @@ def _cmd_collector(args: argparse.Namespace) -> int:
             forward=args.forward,
             forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
             bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            metrics_port=args.metrics_port, decision_wait_s=args.decision_wait, fsync=args.fsync)
+            metrics_port=args.metrics_port, decision_wait_s=args.decision_wait, fsync=args.fsync,
+            archive_bytes=int(args.archive_gib * 1024**3))
         collector = Collector(config)
     except (ValueError, OSError) as exc:
         print(f"kvtrace collector: {exc}", file=sys.stderr)

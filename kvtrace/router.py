@@ -35,7 +35,6 @@ from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 
 logger = logging.getLogger("kvtrace.router")
 
-ATTR_TTFT_NS = "kvtrace.router.ttft_ns"
 ATTR_STATUS = "http.response.status_code"
 
 
@@ -173,7 +172,7 @@ class Router:
             end = self._rec.now()
             root_attrs = {**attrs, ATTR_STATUS: status}
             if first_token_ns:
-                root_attrs[ATTR_TTFT_NS] = first_token_ns - t_in
+                root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = first_token_ns - t_in
             self._rec.record(root_parent, Stage.PD_REQUEST, t_in, end, root_attrs, span_id=trace.span_id,
                              error=None if status < 400 else "upstream_error")
 

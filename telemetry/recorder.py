@@ -41,7 +41,6 @@ _ENGINE_LOOP = -1
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _TRANSFER_OPS = {Stage.WRITE: "write", Stage.READ: "read"}
-_STAGE_LABELS = {stage: stage.name.lower() for stage in Stage}
 _FAILURE_LOG_INTERVAL_S = 60.0
 
 
@@ -228,7 +227,7 @@ class Recorder:
             self._metrics.observe_engine_loop(start_ns / 1e9, attrs)
             return None
         sampled = ref is not None and ref.sampled
-        label = _STAGE_LABELS[stage]
+        label = semconv.STAGE_LABELS[stage]
         self._metrics.observe_stage(label, (end_ns - start_ns) / 1e9, ref.trace_id if sampled else None)
         if stage in _TRANSFER_OPS and attrs and semconv.ATTR_TRANSFER_BYTES in attrs:
             self._metrics.add_transfer_bytes(_TRANSFER_OPS[stage], int(attrs[semconv.ATTR_TRANSFER_BYTES]))

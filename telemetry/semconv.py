@@ -197,6 +197,17 @@ STAGES: Final[dict[Stage, StageSpec]] = {
 STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
 """Stages in the order a request meets them (handshake, when it happens, sits before prep)."""
 
+ROLE_SIDES: Final[dict[Role, Side]] = {Role.ROUTER: Side.ROUTER, Role.PRODUCER: Side.PREFILL, Role.CONSUMER: Side.DECODE}
+"""Where an instance's spans are recorded, from its ``kvtrace.role`` (a :class:`Role` value)."""
+
+STAGE_OF_SPAN: Final[dict[tuple[Side, str], Stage]] = {
+    (side, spec.span_name): stage for stage, spec in STAGES.items() for side in spec.sides}
+"""The stage a span is, from where it was recorded and its name (``engine.queue`` is P's or D's
+queue): what a reader of the trace gets without reading ``kvtrace.stage``."""
+
+STAGE_LABELS: Final[dict[Stage, str]] = {stage: stage.name.lower() for stage in Stage}
+"""The value of ``kvtrace.stage`` (and the ``stage`` label of metrics) for each stage."""
+
 # --------------------------------------------------------------------------------------
 # Span attributes
 # --------------------------------------------------------------------------------------
@@ -258,6 +269,21 @@ ATTR_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 
 ATTR_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 """Completion tokens (OpenTelemetry GenAI convention)."""
+
+ATTR_ROUTER_TTFT_NS: Final = "kvtrace.router.ttft_ns"
+"""Time to first token as the router saw it, in ns from ``pd.request``'s start (on the root)."""
+
+DETAIL_ATTRIBUTES: Final[dict[str, tuple[Stage, ...]]] = {
+    ATTR_ROUTER_TTFT_NS: (Stage.PD_REQUEST,),
+    ATTR_RENDEZVOUS_ORDER: (Stage.RENDEZVOUS,),
+    ATTR_TRANSFER_BYTES: (Stage.WRITE, Stage.READ),
+    ATTR_TRANSFER_POST_US: (Stage.WRITE, Stage.READ),
+    ATTR_TRANSFER_XFER_US: (Stage.WRITE, Stage.READ),
+    ATTR_ENGINE_LOOP_NS: (Stage.COMPLETION,),
+    ATTR_INPUT_TOKENS: (Stage.ALLOCATION, Stage.PREFILL),
+}
+"""The stages that carry each attribute the collector's breakdown reads (it reads no other
+stage's attributes)."""
 
 FAILURE_EVENT: Final = "kvtrace.failure"
 """Name of the span event added to a failed stage; carries :data:`ATTR_FAILURE_CAUSE`."""

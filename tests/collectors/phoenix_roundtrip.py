@@ -19,6 +19,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kvtrace.collectors.model import SpanBatch  # noqa: E402
 from kvtrace.collectors.config import CollectorConfig  # noqa: E402
 from kvtrace.collectors.service import Collector  # noqa: E402
 from tests.collectors.traces import build  # noqa: E402
@@ -54,7 +55,7 @@ def main() -> int:
         sent = {}
         for built in builts:
             for request in built.requests:
-                collector.consume(request)
+                collector.consume(SpanBatch.of(request))
                 for rs in request.resource_spans:
                     for ss in rs.scope_spans:
                         for span in ss.spans:

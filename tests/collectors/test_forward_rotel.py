@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.config import ForwardPolicy
 from kvtrace.collectors.peers import Rotel
 from kvtrace.collectors.receivers import OtlpGrpcReceiver
@@ -16,9 +17,9 @@ class Sink:
         self.spans = {}
         self.lock = threading.Lock()
 
-    def __call__(self, request):
+    def __call__(self, batch):
         with self.lock:
-            for rs in request.resource_spans:
+            for rs in batch.request.resource_spans:
                 resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
                 for ss in rs.scope_spans:
                     for span in ss.spans:
@@ -54,7 +55,7 @@ def test_every_span_reaches_rotel_and_comes_back_unchanged(make_collector, rotel
               [("push", "registration_first"), ("push", "kv_first"), ("pull", "")] * 3]
     for built in builts:
         for request in built.requests:
-            collector.consume(request)
+            collector.consume(SpanBatch.of(request))
     expected = sent_spans(builts)
     assert wait_until(lambda: len(sink.spans) >= len(expected), timeout_s=30)
     assert sink.spans == expected  # byte-for-byte: ids, times, attributes, status, resource, scope
@@ -66,7 +67,7 @@ def test_upstream_down_never_slows_ingestion_or_loses_the_local_copy(make_collec
     builts = [build("push") for _ in range(30)]
     for built in builts:
         for request in built.requests:
-            collector.consume(request)
+            collector.consume(SpanBatch.of(request))
     assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 30 or
                       collector.store.flush() or False)
     assert wait_until(lambda: collector.upstreams[0].stats.failures > 0)
@@ -82,7 +83,7 @@ def test_tail_policy_forwards_only_selected_traces(make_collector, rotel_to_sink
     quick = build("push", "registration_first")  # TTFT 169 ms, no error: kept local only
     for built in (slow, failed, quick):
         for request in built.requests:
-            collector.consume(request)
+            collector.consume(SpanBatch.of(request))
     wanted = sent_spans([slow, failed])
     assert wait_until(lambda: len(sink.spans) >= len(wanted), timeout_s=30)
     assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3

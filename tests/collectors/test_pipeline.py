@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvtrace.collectors.model import SpanBatch
 from tests.helpers import wait_until
 from tests.collectors.traces import MS, build, shuffled_span_requests
 
@@ -22,7 +23,7 @@ def test_shuffled_duplicated_skewed_traces_are_attributed_exactly(make_collector
              build("push", skew_ms={"decode": 50}, hosts="fast"),
              build("pull", skew_ms={"decode": -50}, hosts="slow")]
     for request in shuffled_span_requests(cases):
-        collector.consume(request)
+        collector.consume(SpanBatch.of(request))
     assert wait_until(lambda: len(requests_rows(collector)) == len(cases))
     rows = {r[0]: r for r in requests_rows(collector)}
     for built in cases:
@@ -52,10 +53,10 @@ def test_late_span_replaces_the_breakdown(make_collector):
     late = next(r for r in requests if r.resource_spans[0].scope_spans[0].spans[0].name == "engine.first_token")
     early = [r for r in requests if r.resource_spans[0].scope_spans[0].spans[0].name != "engine.first_token"]
     for request in early:
-        collector.consume(request)
+        collector.consume(SpanBatch.of(request))
     assert wait_until(lambda: len(requests_rows(collector)) == 1)
     assert requests_rows(collector)[0][8] is False  # first decision: no first token yet
-    collector.consume(late)
+    collector.consume(SpanBatch.of(late))
     assert wait_until(lambda: requests_rows(collector)[0][8] is True)
     assert collector.assembler.stats.traces_late == 1
     assert collector.store.query("SELECT count(*) FROM requests")[0][0] == 1

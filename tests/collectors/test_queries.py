@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors import queries
 from tests.helpers import wait_until
 from tests.collectors.traces import MS, build
@@ -13,7 +14,7 @@ def filled(make_collector):
     builts = [build("push") for _ in range(4)] + [build("pull") for _ in range(3)]
     for built in builts:
         for request in built.requests:
-            collector.consume(request)
+            collector.consume(SpanBatch.of(request))
     assert wait_until(lambda: collector.store.flush() or
                       collector.store.query("SELECT count(*) FROM requests")[0][0] == len(builts))
     return collector, builts
@@ -42,7 +43,7 @@ def test_stage_summary_and_waterfall(filled):
     assert summary[("prefill", "prefill")]["duration_p50_ms"] == pytest.approx(144)
     assert summary[("prefill", "rendezvous")]["critical_p50_ms"] == pytest.approx(2)
     rows = queries.waterfall(collector.store._con, builts[0].trace_id).to_pylist()
-    assert rows[0]["stage"] == "pd.route" and rows[0]["start_ms"] == pytest.approx(0)
+    assert rows[0]["stage"] == "pd_route" and rows[0]["start_ms"] == pytest.approx(0)
     assert [r["start_ms"] for r in rows] == sorted(r["start_ms"] for r in rows)
     recent = queries.recent_requests(collector.store._con, limit=5)
     assert recent.num_rows == 5

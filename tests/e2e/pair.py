@@ -101,9 +101,9 @@ class SpanSink:
         self._lock = threading.Lock()
         self.receiver = OtlpHttpReceiver(self._consume, port=0)
 
-    def _consume(self, request) -> None:
+    def _consume(self, batch) -> None:
         rows = []
-        for rs in request.resource_spans:
+        for rs in batch.request.resource_spans:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
                 for s in ss.spans:

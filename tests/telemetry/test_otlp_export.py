@@ -15,9 +15,9 @@ class Sink:
         self.requests = []
         self.lock = threading.Lock()
 
-    def __call__(self, request):
+    def __call__(self, batch):
         with self.lock:
-            self.requests.append(request)
+            self.requests.append(batch.request)
 
     def spans(self):
         out = []

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Where the collector's CPU goes: each pipeline stage's cost per span, on one thread.
+
+The same load as bench/collector_ingest.py (contract-shaped traces, ~500 spans per export
+request) is pushed through the collector's own parts in order, in this process and on one
+thread, with the store's writer thread off so that each stage's CPU time is its own:
+parse (protobuf) → decode and check → write-ahead log → store buffer → assembler →
+decision + attribution + metrics → store flush (Arrow → DuckDB, one transaction per
+~20,000 spans, as the writer thread does). No gRPC: bench/collector_ingest.py measures
+the whole process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from collector_ingest import STAGES, make_load  # noqa: E402
+
+from kvtrace.collectors.config import CollectorConfig  # noqa: E402
+from kvtrace.collectors.model import SpanBatch, decode  # noqa: E402
+from kvtrace.collectors.receivers import decode_protobuf  # noqa: E402
+from kvtrace.collectors.service import Collector  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", type=int, default=15_000, help="traces of 14 spans (default 15000)")
+    parser.add_argument("--batch", type=int, default=500, help="spans per export request")
+    args = parser.parse_args()
+    load = make_load(args.traces, args.batch)
+    spans = args.traces * len(STAGES)
+    costs: dict[str, float] = {}
+
+    def charge(stage: str, since: float) -> float:
+        now = time.process_time()
+        costs[stage] = costs.get(stage, 0.0) + now - since
+        return now
+
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = Collector(CollectorConfig(db_path=os.path.join(tmp, "stages.duckdb"), grpc_port=0,
+                                              http_port=None, decision_wait_s=0.0))
+        gc.set_threshold(50_000, 20, 20)  # as Collector.start sets it
+        flush_every = collector.store._flush_rows
+        buffered = 0
+        t = time.process_time()
+        for payload in load:
+            request = decode_protobuf(payload)
+            t = charge("parse (protobuf)", t)
+            batch = SpanBatch(decode(request), request, payload)
+            t = charge("decode + check", t)
+            position = collector.wal.append(payload)
+            t = charge("write-ahead log", t)
+            collector.store.add_spans(batch, position)
+            t = charge("store buffer", t)
+            collector.assembler.add(batch.rows)
+            t = charge("assembler", t)
+            collector.assembler.poll(flush_all=True)
+            t = charge("decide + attribute + metrics", t)
+            buffered += len(batch.rows)
+            if buffered >= flush_every:
+                collector.store.flush()
+                buffered = 0
+                t = charge("store flush (DuckDB)", t)
+        collector.store.flush()
+        charge("store flush (DuckDB)", t)
+        stored = collector.store.query("SELECT count(*) FROM spans")[0][0]
+        attributed = collector.store.query("SELECT count(*) FROM requests")[0][0]
+        collector.store.shutdown()
+        collector.wal.close()
+
+    total = sum(costs.values())
+    print(f"{spans:,} spans ({stored:,} stored, {attributed:,} traces attributed), one thread, CPU time per span:")
+    for stage, seconds in costs.items():
+        print(f"  {stage:<30}{seconds / spans * 1e6:>7.2f} µs  {seconds / total:>6.1%}")
+    print(f"  {'total':<30}{total / spans * 1e6:>7.2f} µs  -> {spans / total:,.0f} spans per CPU-second")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
