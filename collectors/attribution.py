@@ -69,7 +69,8 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
 EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
-_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
+STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
+"""Each contract stage's category; a stage outside the contract counts as coordination."""
 # stage label -> the detail attributes recorded on it (no other span's attributes are read)
 _DETAILS: dict[str, list[str]] = {}
 for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
@@ -81,10 +82,6 @@ _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
 _START = operator.attrgetter("start")
-
-
-def key_of(span: SpanRow) -> tuple[str, str]:
-    return span.origin.side, span.stage
 
 
 @dataclass(slots=True)
@@ -109,7 +106,8 @@ class Breakdown:
     start_ns: int
     ttft_ns: int
     parts: dict[str, int]
-    stages: list[StageTiming]
+    timings: dict[tuple[str, str], tuple[int, int, str]]  # (side, stage) -> start, end (router's clock), category
+    critical_ns: dict[tuple[str, str], int]  # (side, stage) -> its time on the critical path, where > 0
     complete: bool
     missing: list[str]
     error: bool
@@ -122,6 +120,13 @@ class Breakdown:
     prefill_instance: str = ""
     decode_instance: str = ""
     offsets_ns: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> list[StageTiming]:
+        """Each stage with its times and critical part, in order of start (the store's ``stages`` view)."""
+        stages = [StageTiming(side, stage, category, start, end, self.critical_ns.get((side, stage), 0))
+                  for (side, stage), (start, end, category) in self.timings.items()]
+        return sorted(stages, key=_START)
 
 
 class _SlidingBound:
@@ -207,28 +212,27 @@ class Attributor:
         if mode not in PREDECESSORS:
             mode = "push"
         offsets = self._offsets(index, root, mode)
-        timings = {}
+        timings: dict[tuple[str, str], tuple[int, int, str]] = {}
         for key, span in index.items():
             off = offsets.get(span.origin.instance, 0)
-            timings[key] = StageTiming(key[0], key[1], _CATEGORY.get(key[1], _COORDINATION), span.start + off,
-                                       span.end + off)
+            timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], _COORDINATION))
         first = timings.get(FIRST_TOKEN)
         if root is not None:
             start = root.start
             ttft = root.attrs.get(_TTFT)
-            end = start + int(ttft) if ttft else (first.end if first else root.end)
+            end = start + int(ttft) if ttft else (first[1] if first else root.end)
         else:
-            start = min(t.start for t in timings.values())
-            end = first.end if first else max(t.end for t in timings.values())
+            start = min(t[0] for t in timings.values())
+            end = first[1] if first else max(t[1] for t in timings.values())
         walkable = dict(timings)
         walkable.pop(ROOT, None)
-        parts = self._walk(walkable, PREDECESSORS[mode], start, end)
+        parts, critical = self._walk(walkable, PREDECESSORS[mode], start, end)
 
         missing = EXPECTED[mode] - index.keys()
         missing = sorted(f"{side}:{stage}" for side, stage in missing) if missing else []
         breakdown = Breakdown(
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
-            ttft_ns=end - start, parts=parts, stages=sorted(timings.values(), key=_START),
+            ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error,
             offsets_ns={inst: off for inst, off in offsets.items() if off},
         )
@@ -238,35 +242,39 @@ class Attributor:
     # ------------------------------------------------------------------ the walk
 
     @staticmethod
-    def _walk(timings: dict[tuple[str, str], StageTiming], graph, start: int, end: int) -> dict[str, int]:
+    def _walk(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
+              end: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+        """(time per category, time per stage) on the critical path from ``end`` back to ``start``."""
         parts = dict.fromkeys(_CATEGORY_NAMES, 0)
+        critical: dict[tuple[str, str], int] = {}
         if end <= start:
-            return parts
+            return parts, critical
         node_key = FIRST_TOKEN
         if node_key not in timings:  # no first token: start from whatever ended last
-            node_key = max(timings, key=lambda k: timings[k].end, default=None)
+            node_key = max(timings, key=lambda k: timings[k][1], default=None)
         t = end
         while node_key is not None and t > start:
-            node = timings[node_key]
+            node_start, node_end, category = timings[node_key]
             preds = graph.get(node_key)
             if preds is None:  # off the known graph: anything that ended before it
-                preds = [k for k, s in timings.items() if k != node_key and s.end <= node.start]
-            pred_key = pred = None
+                preds = [k for k, s in timings.items() if k != node_key and s[1] <= node_start]
+            pred_key, pred_end = None, 0
             for key in preds:  # the predecessor that ended last (the first of equals)
                 candidate = timings.get(key)
-                if candidate is not None and (pred is None or candidate.end > pred.end):
-                    pred_key, pred = key, candidate
-            seg_end = max(min(node.end, t), start)
-            seg_start = min(max(node.start, pred.end if pred is not None else start, start), seg_end)
+                if candidate is not None and (pred_key is None or candidate[1] > pred_end):
+                    pred_key, pred_end = key, candidate[1]
+            seg_end = max(min(node_end, t), start)
+            seg_start = min(max(node_start, pred_end if pred_key is not None else start, start), seg_end)
             if seg_end < t:
                 parts[_UNATTRIBUTED] += t - seg_end
-            parts[node.category] += seg_end - seg_start
-            node.critical_ns = seg_end - seg_start
+            if seg_end > seg_start:
+                parts[category] += seg_end - seg_start
+                critical[node_key] = seg_end - seg_start
             t = seg_start
             node_key = pred_key
         if t > start:
             parts[_UNATTRIBUTED] += t - start
-        return parts
+        return parts, critical
 
     # ------------------------------------------------------------------ clocks
 

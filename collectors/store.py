@@ -15,7 +15,10 @@ Tables:
   (:mod:`.wal`).
 * ``requests`` — one row per trace: TTFT and its split into compute / queue / coordination /
   wire / unattributed (ms), rendezvous order, bytes, NIXL times, instances, completeness.
-* ``stages`` — per trace and stage: duration and the part of it on the critical path.
+* ``stages`` — a view: per trace and stage (its earliest span), its times on the router's
+  clock, duration, category and the part of it on the critical path — computed from
+  ``spans`` and each request's ``clock_offsets`` and ``critical_ns`` rather than written
+  again row by row.
 * ``runs`` — one row per collector start, with its configuration.
 
 A file written by a kvtrace whose tables differ is refused at start with a clear error
@@ -34,10 +37,12 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from .attribution import Breakdown
+from kvtrace.telemetry import semconv
+
+from .attribution import STAGE_CATEGORY, Breakdown
 from .model import SpanBatch
 
-SCHEMA_VERSION = 2  # bump when a table changes
+SCHEMA_VERSION = 3  # bump when a table or view changes
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
 CREATE TABLE IF NOT EXISTS spans (
@@ -55,11 +60,7 @@ CREATE TABLE IF NOT EXISTS requests (
     unattributed_ms DOUBLE, prompt_tokens INTEGER, rendezvous_order VARCHAR, engine_loop_ms DOUBLE,
     transfer_bytes BIGINT, transfer_post_us BIGINT, transfer_xfer_us BIGINT,
     prefill_instance VARCHAR, decode_instance VARCHAR, complete BOOLEAN, missing VARCHAR,
-    error BOOLEAN, clock_offsets VARCHAR, updated_at TIMESTAMPTZ
-);
-CREATE TABLE IF NOT EXISTS stages (
-    trace_id VARCHAR, side VARCHAR, stage VARCHAR, category VARCHAR,
-    start_ns BIGINT, end_ns BIGINT, duration_ms DOUBLE, critical_ms DOUBLE
+    error BOOLEAN, clock_offsets MAP(VARCHAR, BIGINT), critical_ns MAP(VARCHAR, BIGINT), updated_at TIMESTAMPTZ
 );
 CREATE TABLE IF NOT EXISTS runs (
     run_id VARCHAR, started_at TIMESTAMPTZ, kvtrace_version VARCHAR, config VARCHAR
@@ -67,9 +68,44 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS wal_state (id INTEGER PRIMARY KEY, segment INTEGER, "offset" BIGINT);
 """
 
+
+def _case(column: str, mapping: dict[str, str], default: str) -> str:
+    whens = " ".join(f"WHEN '{key}' THEN '{value}'" for key, value in mapping.items())
+    return f"CASE {column} {whens} ELSE {default} END"
+
+
+# A span's side and a stage's category, as the attribution reads them (the contract's tables).
+_SIDE_SQL = _case("role", {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}, "service")
+_CATEGORY_SQL = _case("f.stage", STAGE_CATEGORY, "'coordination'")
+STAGES_VIEW = f"""
+CREATE OR REPLACE VIEW stages AS
+WITH firsts AS (
+    SELECT trace_id, {_SIDE_SQL} AS side, stage, arg_min(instance, start_ns) AS instance,
+           min(start_ns) AS start_ns, arg_min(end_ns, start_ns) AS end_ns
+    FROM spans GROUP BY ALL)
+SELECT f.trace_id, f.side, f.stage, {_CATEGORY_SQL} AS category,
+       f.start_ns + coalesce(r.clock_offsets[f.instance], 0) AS start_ns,
+       f.end_ns + coalesce(r.clock_offsets[f.instance], 0) AS end_ns,
+       (f.end_ns - f.start_ns) / 1e6 AS duration_ms,
+       coalesce(r.critical_ns[f.side || ':' || f.stage], 0) / 1e6 AS critical_ms
+FROM firsts f JOIN requests r USING (trace_id)
+"""
+
 # duration_ms is computed by DuckDB on insert, the batch columns from each batch's position.
 _INSERT_SPANS = """INSERT INTO spans SELECT trace_id, span_id, parent_span_id, name, stage, service, instance,
     role, mode, start_ns, end_ns, (end_ns - start_ns) / 1e6, status, batch_id, batch_index FROM span_batch"""
+
+
+_MAP = pa.map_(pa.string(), pa.int64())
+_STAGE_KEYS: dict[tuple[str, str], str] = {}
+
+
+def _stage_key(side: str, stage: str) -> str:
+    """``side:stage``, the key of ``requests.critical_ns`` (cached: a few dozen distinct values)."""
+    key = _STAGE_KEYS.get((side, stage))
+    if key is None:
+        key = _STAGE_KEYS[side, stage] = f"{side}:{stage}"
+    return key
 
 
 class SchemaMismatch(ValueError):
@@ -93,7 +129,6 @@ class Store:
         self._rows = 0
         self._batch_ids = itertools.count()
         self._breakdowns: dict[str, Breakdown] = {}
-        self._replaced: set[str] = set()
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
         self._flush_interval = flush_interval_s
@@ -115,6 +150,7 @@ class Store:
                 raise SchemaMismatch(f"--db {self.path}: written by a kvtrace with store schema {found or 1}, "
                                      f"this one uses {SCHEMA_VERSION}; use a new file")
         con.execute(SCHEMA)
+        con.execute(STAGES_VIEW)
         if not tables:
             con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
 
@@ -156,12 +192,10 @@ class Store:
         if full:
             self._wake.set()
 
-    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
-        """``replaces``: the trace was decided before (late spans); its old stage rows go."""
+    def add_breakdown(self, breakdown: Breakdown) -> None:
+        """The trace's breakdown; one decided again (late spans, a restart) replaces its row."""
         with self._lock:
             self._breakdowns[breakdown.trace_id] = breakdown
-            if replaces:
-                self._replaced.add(breakdown.trace_id)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -173,7 +207,6 @@ class Store:
         with self._lock:
             batches, self._batches, self._rows = self._batches, [], 0
             breakdowns, self._breakdowns = self._breakdowns, {}
-            replaced, self._replaced = self._replaced, set()
             position = self._position
         if not batches and not breakdowns and position is None:
             return
@@ -195,7 +228,7 @@ class Store:
                     con.execute("INSERT INTO batches SELECT * FROM batch_rows")
                     con.unregister("batch_rows")
                 if breakdowns:
-                    self._write_breakdowns(con, list(breakdowns.values()), replaced)
+                    self._write_breakdowns(con, list(breakdowns.values()))
                 if position is not None:
                     con.execute('INSERT OR REPLACE INTO wal_state VALUES (0, ?, ?)', list(position))
                 con.execute("COMMIT")
@@ -206,7 +239,7 @@ class Store:
                 raise
 
     @staticmethod
-    def _write_breakdowns(con: Any, breakdowns: list[Breakdown], replaced: set[str]) -> None:
+    def _write_breakdowns(con: Any, breakdowns: list[Breakdown]) -> None:
         now = datetime.now(timezone.utc)
         ms = 1e6
         requests = pa.table({
@@ -228,26 +261,14 @@ class Store:
             "complete": [b.complete for b in breakdowns],
             "missing": [",".join(b.missing) for b in breakdowns],
             "error": [b.error for b in breakdowns],
-            "clock_offsets": [json.dumps(b.offsets_ns) if b.offsets_ns else "{}" for b in breakdowns],
+            "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
+            "critical_ns": pa.array([[(_stage_key(*key), ns) for key, ns in b.critical_ns.items()]
+                                     for b in breakdowns], _MAP),
             "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
         })
-        stages = [s for b in breakdowns for s in b.stages]
-        stages = pa.table({
-            "trace_id": [b.trace_id for b in breakdowns for _ in b.stages], "side": [s.side for s in stages],
-            "stage": [s.stage for s in stages], "category": [s.category for s in stages],
-            "start_ns": pa.array([s.start for s in stages], pa.int64()),
-            "end_ns": pa.array([s.end for s in stages], pa.int64()),
-            "critical_ns": pa.array([s.critical_ns for s in stages], pa.int64()),
-        })
         con.register("request_batch", requests)
-        con.register("stage_batch", stages)
-        if replaced:  # a trace decided again (late spans) replaces its earlier stage rows
-            con.execute("DELETE FROM stages WHERE list_contains(?, trace_id)", [sorted(replaced)])
         con.execute("INSERT OR REPLACE INTO requests SELECT * FROM request_batch")
-        con.execute("INSERT INTO stages SELECT trace_id, side, stage, category, start_ns, end_ns, "
-                    "(end_ns - start_ns) / 1e6, critical_ns / 1e6 FROM stage_batch")
         con.unregister("request_batch")
-        con.unregister("stage_batch")
 
     # ------------------------------------------------------------------ reads
 

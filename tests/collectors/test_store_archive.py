@@ -109,3 +109,27 @@ def test_attribution_histograms_hold_every_request_breakdown(make_collector):
             assert registry.get_sample_value("kvtrace_ttft_part_seconds_sum", labels) == \
                 pytest.approx(sum(r[i] for r in rows) / 1e3, abs=1e-9)
             assert registry.get_sample_value("kvtrace_ttft_part_seconds_bucket", {**labels, "le": "+Inf"}) == len(rows)
+
+
+def test_stages_view_matches_the_attribution(make_collector):
+    """``stages`` is computed from spans, clock offsets and critical parts: for skewed traces
+    it equals, stage by stage, what the attribution produced."""
+    collector = make_collector()
+    seen = []
+    add = collector.store.add_breakdown
+    collector.store.add_breakdown = lambda breakdown: (seen.append(breakdown), add(breakdown))
+    cases = [build("push", skew_ms={"decode": 50}, hosts="fast"), build("pull", skew_ms={"decode": -50}, hosts="slow")]
+    for built in cases:
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+    assert wait_until(lambda: len(seen) == len(cases))
+    collector.store.flush()
+    for breakdown in seen:
+        assert breakdown.offsets_ns  # the skew was estimated and corrected
+        view = collector.store.query("SELECT side, stage, category, start_ns, end_ns, duration_ms, critical_ms "
+                                     "FROM stages WHERE trace_id = ? ORDER BY start_ns, side, stage",
+                                     [breakdown.trace_id])
+        expected = sorted((s.side, s.stage, s.category, s.start, s.end, s.duration / 1e6, s.critical_ns / 1e6)
+                          for s in breakdown.stages)
+        assert sorted(view) == expected
+        assert sum(row[6] for row in view) <= breakdown.ttft_ns / 1e6
