@@ -78,8 +78,7 @@ class Assembler:
                 trace_id, buffer = self._pending.popitem(last=False)
                 self.stats.traces_evicted += 1
                 evicted.append((trace_id, buffer))
-        for trace_id, buffer in evicted:
-            self._decide(trace_id, buffer)
+        self._decide_all(evicted)
 
     def poll(self, flush_all: bool = False) -> int:
         """Hand on every trace that is ready; returns how many."""
@@ -99,17 +98,21 @@ class Assembler:
                 self._next_age_scan = now + min(1.0, self._max_age / 4)
                 for trace_id in [t for t, b in pending.items() if now - b.first_seen >= self._max_age]:
                     ready.append((trace_id, pending.pop(trace_id)))
-        for trace_id, buffer in ready:
-            self._decide(trace_id, buffer)
+        self._decide_all(ready)
         return len(ready)
 
     def pending(self) -> int:
         return len(self._pending)
 
-    def _decide(self, trace_id: str, buffer: TraceBuffer) -> None:
-        self.stats.traces_decided += 1
+    def _decide_all(self, ready: list[tuple[str, TraceBuffer]]) -> None:
+        if not ready:
+            return
+        self.stats.traces_decided += len(ready)
         with self._lock:
-            self._decided[trace_id] = buffer.spans
-            while len(self._decided) > self._decided_cache:
-                self._decided.popitem(last=False)
-        self._on_trace(trace_id, list(buffer.spans.values()), buffer.late)
+            decided = self._decided
+            for trace_id, buffer in ready:
+                decided[trace_id] = buffer.spans
+            while len(decided) > self._decided_cache:
+                decided.popitem(last=False)
+        for trace_id, buffer in ready:
+            self._on_trace(trace_id, list(buffer.spans.values()), buffer.late)

@@ -98,7 +98,7 @@ class StageTiming:
         return self.end - self.start
 
 
-@dataclass
+@dataclass(slots=True)
 class Breakdown:
     trace_id: str
     request_id: str
@@ -153,36 +153,44 @@ class _SlidingBound:
         return self._values[0][1] if self._values else None
 
 
+class _InstanceClock:
+    """What the last ``window`` traces say about one instance's offset."""
+
+    __slots__ = ("lower", "upper", "mids")
+
+    def __init__(self, window: int) -> None:
+        self.lower = _SlidingBound(window, largest=True)
+        self.upper = _SlidingBound(window, largest=False)
+        self.mids: collections.deque[float] = collections.deque(maxlen=window)
+
+
 class OffsetEstimator:
     """Per-instance clock offset (add to the instance's times to get the reference clock),
     from the bounds of the last ``window`` traces."""
 
     def __init__(self, window: int = 256) -> None:
         self._window = window
-        self._lower: dict[str, _SlidingBound] = {}
-        self._upper: dict[str, _SlidingBound] = {}
-        self._mids: dict[str, collections.deque] = {}
+        self._clocks: dict[str, _InstanceClock] = {}
 
-    def add(self, instance: str, lower: float | None, upper: float | None) -> None:
-        if instance not in self._lower:
-            self._lower[instance] = _SlidingBound(self._window, largest=True)
-            self._upper[instance] = _SlidingBound(self._window, largest=False)
-            self._mids[instance] = collections.deque(maxlen=self._window)
+    def update(self, instance: str, lower: float | None, upper: float | None) -> int:
+        """Add one trace's bounds for ``instance``; returns its offset estimate."""
+        clock = self._clocks.get(instance)
+        if clock is None:
+            clock = self._clocks[instance] = _InstanceClock(self._window)
         if lower is not None:
-            self._lower[instance].add(lower)
+            clock.lower.add(lower)
         if upper is not None:
-            self._upper[instance].add(upper)
-        if lower is not None and upper is not None:
-            self._mids[instance].append((lower + upper) / 2)
+            clock.upper.add(upper)
+            if lower is not None:
+                clock.mids.append((lower + upper) / 2)
+        return self._estimate(clock)
 
-    def estimate(self, instance: str) -> int:
-        if instance not in self._lower:
-            return 0
-        lower, upper = self._lower[instance].value, self._upper[instance].value
+    @staticmethod
+    def _estimate(clock: _InstanceClock) -> int:
+        lower, upper = clock.lower.value, clock.upper.value
         if lower is not None and upper is not None and lower > upper:
             # Jitter made the intersection empty: fall back to the typical per-trace middle.
-            mids = self._mids[instance]
-            return int(statistics.median(mids)) if mids else int((lower + upper) / 2)
+            return int(statistics.median(clock.mids)) if clock.mids else int((lower + upper) / 2)
         if (lower is None or lower <= 0) and (upper is None or upper >= 0):
             return 0  # the clocks are consistent with every causal pair seen: no correction
         if lower is not None and upper is not None:
@@ -198,9 +206,11 @@ class Attributor:
         index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
         error = False
         mode = ""
+        p_any = d_any = None  # a span from P and from D: their instances
         for span in spans:
             origin = span.origin
-            key = (origin.side, span.stage)
+            side = origin.side
+            key = (side, span.stage)
             seen = index.get(key)
             if seen is None or span.start < seen.start:
                 index[key] = span
@@ -208,10 +218,14 @@ class Attributor:
                 error = True
             if not mode:
                 mode = origin.mode
+            if side == PREFILL:
+                p_any = p_any or span
+            elif side == DECODE:
+                d_any = d_any or span
         root = index.get(ROOT)
         if mode not in PREDECESSORS:
             mode = "push"
-        offsets = self._offsets(index, root, mode)
+        offsets = self._offsets(index, root, mode, p_any, d_any)
         timings: dict[tuple[str, str], tuple[int, int, str]] = {}
         for key, span in index.items():
             off = offsets.get(span.origin.instance, 0)
@@ -235,6 +249,8 @@ class Attributor:
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error,
             offsets_ns={inst: off for inst, off in offsets.items() if off},
+            prefill_instance=p_any.origin.instance if p_any else "",
+            decode_instance=d_any.origin.instance if d_any else "",
         )
         self._details(breakdown, spans)
         return breakdown
@@ -278,16 +294,11 @@ class Attributor:
 
     # ------------------------------------------------------------------ clocks
 
-    def _offsets(self, index: dict[tuple[str, str], SpanRow], root: SpanRow | None, mode: str) -> dict[str, int]:
+    def _offsets(self, index: dict[tuple[str, str], SpanRow], root: SpanRow | None, mode: str,
+                 p_any: SpanRow | None, d_any: SpanRow | None) -> dict[str, int]:
         """Offsets to the router's clock (or P's, without a router) for each instance."""
         offsets: dict[str, int] = {}
         get = index.get
-        p_any = d_any = None
-        for (side, _), span in index.items():
-            if side == PREFILL and p_any is None:
-                p_any = span
-            elif side == DECODE and d_any is None:
-                d_any = span
         if root is not None:
             offsets[root.origin.instance] = 0
             route = get(ROUTE)
@@ -301,22 +312,19 @@ class Attributor:
                 upper = None
                 if prefill is not None:
                     upper = (relay.start if relay is not None else first_token_at_router) - prefill.end
-                self.offsets.add(p_any.origin.instance, lower, upper)
-                offsets[p_any.origin.instance] = self.offsets.estimate(p_any.origin.instance)
+                offsets[p_any.origin.instance] = self.offsets.update(p_any.origin.instance, lower, upper)
             if d_any is not None:
                 after = relay.end if mode == "pull" and relay is not None else route_end
                 allocation, first = get((DECODE, "allocation")), get(FIRST_TOKEN)
                 lower = after - allocation.start if allocation is not None else None
                 upper = first_token_at_router - first.end if first is not None else None
-                lower, upper = self._tighten_with_prefill(index, offsets.get(p_any.origin.instance, 0) if p_any else 0,
-                                                          lower, upper)
-                self.offsets.add(d_any.origin.instance, lower, upper)
-                offsets[d_any.origin.instance] = self.offsets.estimate(d_any.origin.instance)
+                p_offset = offsets[p_any.origin.instance] if p_any else 0
+                lower, upper = self._tighten_with_prefill(index, p_offset, lower, upper)
+                offsets[d_any.origin.instance] = self.offsets.update(d_any.origin.instance, lower, upper)
         elif p_any is not None and d_any is not None:
             offsets[p_any.origin.instance] = 0
             lower, upper = self._tighten_with_prefill(index, 0, None, None)
-            self.offsets.add(d_any.origin.instance, lower, upper)
-            offsets[d_any.origin.instance] = self.offsets.estimate(d_any.origin.instance)
+            offsets[d_any.origin.instance] = self.offsets.update(d_any.origin.instance, lower, upper)
         return offsets
 
     @staticmethod
@@ -338,11 +346,6 @@ class Attributor:
     @staticmethod
     def _details(breakdown: Breakdown, spans: list[SpanRow]) -> None:
         for span in spans:
-            origin = span.origin
-            if origin.side == PREFILL:
-                breakdown.prefill_instance = origin.instance
-            elif origin.side == DECODE:
-                breakdown.decode_instance = origin.instance
             keys = _DETAILS.get(span.stage)
             if keys is None:
                 continue
