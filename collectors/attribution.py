@@ -153,15 +153,20 @@ class _SlidingBound:
         return self._values[0][1] if self._values else None
 
 
+_MEDIAN_EVERY = 16
+
+
 class _InstanceClock:
     """What the last ``window`` traces say about one instance's offset."""
 
-    __slots__ = ("lower", "upper", "mids")
+    __slots__ = ("lower", "upper", "mids", "median", "mids_since_median")
 
     def __init__(self, window: int) -> None:
         self.lower = _SlidingBound(window, largest=True)
         self.upper = _SlidingBound(window, largest=False)
         self.mids: collections.deque[float] = collections.deque(maxlen=window)
+        self.median: float | None = None  # of mids, refreshed every _MEDIAN_EVERY new ones
+        self.mids_since_median = 0
 
 
 class OffsetEstimator:
@@ -183,14 +188,20 @@ class OffsetEstimator:
             clock.upper.add(upper)
             if lower is not None:
                 clock.mids.append((lower + upper) / 2)
+                clock.mids_since_median += 1
         return self._estimate(clock)
 
     @staticmethod
     def _estimate(clock: _InstanceClock) -> int:
         lower, upper = clock.lower.value, clock.upper.value
         if lower is not None and upper is not None and lower > upper:
-            # Jitter made the intersection empty: fall back to the typical per-trace middle.
-            return int(statistics.median(clock.mids)) if clock.mids else int((lower + upper) / 2)
+            # Jitter made the intersection empty: fall back to the typical per-trace middle
+            # (a median of the window, refreshed every few traces rather than sorted per trace).
+            if not clock.mids:
+                return int((lower + upper) / 2)
+            if clock.median is None or clock.mids_since_median >= _MEDIAN_EVERY:
+                clock.median, clock.mids_since_median = statistics.median(clock.mids), 0
+            return int(clock.median)
         if (lower is None or lower <= 0) and (upper is None or upper >= 0):
             return 0  # the clocks are consistent with every causal pair seen: no correction
         if lower is not None and upper is not None:

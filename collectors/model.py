@@ -33,8 +33,7 @@ _STAGE_OF = {(side.value, name): semconv.STAGE_LABELS[stage]
              for (side, name), stage in semconv.STAGE_OF_SPAN.items()}
 _SIDE_OF_ROLE = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
 # The span attributes the collector reads; the rest stay in the original, unread.
-WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, semconv.ATTR_FAILURE_CAUSE,
-                               *semconv.DETAIL_ATTRIBUTES})
+WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
                             semconv.RES_MODE})
 

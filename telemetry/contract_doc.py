@@ -29,6 +29,20 @@ def _markdown(docstring: str) -> str:
     return docstring.replace(":class:`", "`").replace("``", "`")
 
 
+def _read_on(key: str, prefix: str) -> str:
+    """Where the collector's breakdown reads an attribute (it reads no other span attributes)."""
+    if key in semconv.DETAIL_ATTRIBUTES:
+        return ", ".join(f"`{semconv.STAGE_LABELS[stage]}`" for stage in semconv.DETAIL_ATTRIBUTES[key])
+    if key == semconv.ATTR_REQUEST_ID:
+        return "`pd_request`, else any span"
+    if key == semconv.ATTR_STAGE:
+        return "spans outside the stage table"
+    if prefix == "RES_" and key in (semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
+                                    semconv.RES_MODE):
+        return "every resource"
+    return ""
+
+
 def render() -> str:
     lines = [
         "# kvtrace span contract",
@@ -48,12 +62,12 @@ def render() -> str:
     lines += ["", "## Categories", "", "| category | meaning |", "|---|---|"]
     lines += [f"| `{c.value}` | {semconv.CATEGORY_MEANINGS[c]} |" for c in semconv.Category]
     for title, prefix in (("Span attributes", "ATTR_"), ("Resource attributes", "RES_")):
-        lines += ["", f"## {title}", "", "| key | meaning |", "|---|---|"]
+        lines += ["", f"## {title}", "", "| key | meaning | the collector reads it on |", "|---|---|---|"]
         seen = set()
         for value, doc in _constants(prefix):
             if value not in seen:
                 seen.add(value)
-                lines.append(f"| `{value}` | {_markdown(doc)} |")
+                lines.append(f"| `{value}` | {_markdown(doc)} | {_read_on(value, prefix)} |")
     lines += ["", "## Closed value sets", ""]
     for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,
                  semconv.FailureCause):

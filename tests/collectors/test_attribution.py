@@ -79,3 +79,16 @@ def test_same_host_needs_no_correction():
     for _ in range(5):
         breakdown = attribute(build("push"), attributor)
     assert breakdown.offsets_ns == {}
+
+
+def test_jittered_bounds_that_do_not_intersect_fall_back_to_the_median_middle():
+    from kvtrace.collectors.attribution import OffsetEstimator
+
+    estimator = OffsetEstimator(window=64)
+    estimates = []
+    for i in range(300):  # true offset ~10 ms; each trace's lower bound is jittered by up to 1 ms
+        jitter = (i % 5) * 250_000
+        estimates.append(estimator.update("d-0", 10 * MS - 200_000 + jitter, 10 * MS + 200_000 - jitter // 4))
+    # Per-trace middles are 10 ms + 0.375 x jitter: their median is 10.1875 ms (the middle of
+    # the empty intersection's ends would be 10.375 ms).
+    assert all(abs(e - 10_187_500) <= 50_000 for e in estimates[64:])

@@ -173,3 +173,17 @@ def test_push_reliability_thirty_requests(run):
 def test_idle_cpu_with_progress_delay_is_low(run):
     # With NIXL's progress thread sleeping 1000 µs between polls, an idle pair costs little.
     assert run.idle_cpu_percent < 50, run.idle_cpu_percent
+
+
+def test_the_collector_reads_real_spans_as_the_contract_says(run):
+    """The collector takes a span's stage from its role and name, and reads each breakdown
+    attribute only on the stages the contract lists: real spans must agree."""
+    from kvtrace.telemetry import semconv
+
+    for call in run.calls:
+        for span in trace_of(run.traces, call.request_id):
+            side = semconv.ROLE_SIDES[semconv.Role(span["resource"]["kvtrace.role"])]
+            stage = semconv.STAGE_OF_SPAN[(side, span["name"])]
+            assert semconv.STAGE_LABELS[stage] == span["attrs"]["kvtrace.stage"], (call.request_id, span["name"])
+            for key in span["attrs"].keys() & semconv.DETAIL_ATTRIBUTES.keys():
+                assert stage in semconv.DETAIL_ATTRIBUTES[key], (call.request_id, span["name"], key)
