@@ -1,9 +1,10 @@
 """OTLP trace receivers: gRPC ``TraceService/Export`` and HTTP ``POST /v1/traces``.
 
 Both parse with the official ``opentelemetry-proto`` messages, decode and check the spans
-(ids, timestamps: :func:`.model.decode`) and hand one :class:`.model.SpanBatch` at a time to
-the next stage's ``consume``. As in the Collector's otlpreceiver, an error marked permanent becomes
-400 / INVALID_ARGUMENT (do not retry); anything else becomes 503 / UNAVAILABLE (retry).
+(ids, timestamps: :func:`.model.decode`) and hand one :class:`.model.SpanBatch` at a time
+to the next stage's ``consume``. As in the Collector's otlpreceiver, an error marked
+permanent becomes 400 / INVALID_ARGUMENT (do not retry); anything else becomes 503 /
+UNAVAILABLE (retry).
 They listen on 127.0.0.1 unless told otherwise.
 """
 
@@ -26,7 +27,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from .model import PermanentError, SpanBatch, decode
+from .model import PermanentError, SpanBatch
 
 logger = logging.getLogger(__name__)
 
@@ -171,13 +172,10 @@ class OtlpHttpReceiver:
             return self._reply(h, HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                                f"use {PROTOBUF} or {JSON}", content_type)
         try:
-            if content_type == JSON:
-                request = decode_json(body)
-                batch = SpanBatch(decode(request), request, request.SerializeToString())
+            if content_type == JSON:  # kept as protobuf, like every other request
+                self._consume(SpanBatch.of(decode_json(body)))
             else:
-                request = decode_protobuf(body)
-                batch = SpanBatch(decode(request), request, body)
-            self._consume(batch)
+                self._consume(SpanBatch.of(decode_protobuf(body), body))
         except PermanentError as exc:
             return self._reply(h, HTTPStatus.BAD_REQUEST, str(exc), content_type)
         except RetryLater as exc:
@@ -231,8 +229,7 @@ class _TraceService:
         if not _authorized(self._token, metadata.get("authorization")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
-            request = decode_protobuf(raw)
-            self._consume(SpanBatch(decode(request), request, raw))
+            self._consume(SpanBatch.of(decode_protobuf(raw), raw))
         except PermanentError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RetryLater as exc:

@@ -200,6 +200,9 @@ class Collector:
                 request = ExportTraceServiceRequest()
                 if payload is not None:
                     request.ParseFromString(payload)
+                else:
+                    logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
+                                   "(--archive-gib); its breakdown uses the spans that remain", trace_id, segment)
                 decoded[segment, offset] = decode(request)
             rows = decoded[segment, offset]
             row = rows[index] if index < len(rows) else None

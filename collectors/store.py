@@ -284,7 +284,7 @@ class Store:
                           "ORDER BY 1, 2, 4", [trace_id])
 
 def _span_table(batches: list[tuple[str, SpanBatch, Any]]) -> pa.Table:
-    """The spans of ``batches`` as columns (one list comprehension per column: C-speed loops)."""
+    """The spans of ``batches`` as Arrow columns, one comprehension per column."""
     rows = [row for _, batch, _ in batches for row in batch.rows]
     origins = [row.origin for row in rows]
     return pa.table({
