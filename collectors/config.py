@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from .wal import ARCHIVE_BYTES as DEFAULT_ARCHIVE_BYTES
+
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -12,7 +14,6 @@ DEFAULT_QUEUE_REQUESTS = 2_000
 DEFAULT_DECISION_WAIT_S = 2.0
 DEFAULT_MAX_AGE_S = 30.0
 DEFAULT_MAX_TRACES = 20_000
-DEFAULT_ARCHIVE_BYTES = 4 * 1024**3
 
 
 @dataclasses.dataclass

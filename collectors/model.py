@@ -31,7 +31,8 @@ _NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
 
 _STAGE_OF = {(side.value, name): semconv.STAGE_LABELS[stage]
              for (side, name), stage in semconv.STAGE_OF_SPAN.items()}
-_SIDE_OF_ROLE = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
+SIDE_OF_ROLE = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
+"""``kvtrace.role`` -> side; an instance with another role is its own side, named by its service."""
 # The span attributes the collector reads; the rest stay in the original, unread.
 WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
@@ -68,7 +69,7 @@ class Origin:
         service = str(res.get(semconv.RES_SERVICE_NAME) or "unknown")
         role = str(res.get(semconv.RES_ROLE) or "")
         return cls(service, str(res.get(semconv.RES_SERVICE_INSTANCE_ID) or service), role,
-                   str(res.get(semconv.RES_MODE) or ""), _SIDE_OF_ROLE.get(role, service), resource)
+                   str(res.get(semconv.RES_MODE) or ""), SIDE_OF_ROLE.get(role, service), resource)
 
 
 class SpanRow:
@@ -79,7 +80,7 @@ class SpanRow:
                  "stage", "proto", "scope", "_attrs")
 
     def __init__(self, trace_id: str, span_id: str, parent_span_id: str, name: str, start: int, end: int,
-                 status: int, origin: Origin, stage: str | None = None, proto: Any = None, scope: Any = None,
+                 status: int, origin: Origin, proto: Any = None, scope: Any = None,
                  attrs: dict[str, Any] | None = None) -> None:
         self.trace_id = trace_id
         self.span_id = span_id
@@ -92,8 +93,8 @@ class SpanRow:
         self.proto = proto
         self.scope = scope
         self._attrs = attrs
-        # Contract spans: from (side, name), passed in by decode. Others: their kvtrace.stage, or name.
-        self.stage = stage or _STAGE_OF.get((origin.side, name)) or self.attrs.get(semconv.ATTR_STAGE) or name
+        # Contract spans: from (side, name). Others: their kvtrace.stage, or their name.
+        self.stage = _STAGE_OF.get((origin.side, name)) or self.attrs.get(semconv.ATTR_STAGE) or name
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -144,7 +145,6 @@ def decode(request: ExportTraceServiceRequest) -> list[SpanRow]:
     append = rows.append
     for resource_spans in request.resource_spans:
         origin = Origin.of(resource_spans.resource)
-        stage_of = {name: stage for (side, name), stage in _STAGE_OF.items() if side == origin.side}
         for scope_spans in resource_spans.scope_spans:
             scope = scope_spans.scope
             for span in scope_spans.spans:
@@ -153,9 +153,8 @@ def decode(request: ExportTraceServiceRequest) -> list[SpanRow]:
                 if (len(trace_id) != 16 or trace_id == _NO_TRACE or len(span_id) != 8 or span_id == _NO_SPAN
                         or (parent and len(parent) != 8) or not MIN_TIME_NS <= start <= end <= latest):
                     raise PermanentError(_problem(span, latest))
-                name = span.name
-                append(SpanRow(trace_id.hex(), span_id.hex(), parent.hex(), name, start, end, span.status.code,
-                               origin, stage_of.get(name), span, scope))
+                append(SpanRow(trace_id.hex(), span_id.hex(), parent.hex(), span.name, start, end,
+                               span.status.code, origin, span, scope))
     return rows
 
 

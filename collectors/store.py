@@ -37,10 +37,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from kvtrace.telemetry import semconv
-
 from .attribution import STAGE_CATEGORY, Breakdown
-from .model import SpanBatch
+from .model import SIDE_OF_ROLE, SpanBatch
 
 SCHEMA_VERSION = 3  # bump when a table or view changes
 SCHEMA = """
@@ -75,7 +73,7 @@ def _case(column: str, mapping: dict[str, str], default: str) -> str:
 
 
 # A span's side and a stage's category, as the attribution reads them (the contract's tables).
-_SIDE_SQL = _case("role", {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}, "service")
+_SIDE_SQL = _case("role", SIDE_OF_ROLE, "service")  # as Origin.of names a side
 _CATEGORY_SQL = _case("f.stage", STAGE_CATEGORY, "'coordination'")
 STAGES_VIEW = f"""
 CREATE OR REPLACE VIEW stages AS
@@ -97,15 +95,6 @@ _INSERT_SPANS = """INSERT INTO spans SELECT trace_id, span_id, parent_span_id, n
 
 
 _MAP = pa.map_(pa.string(), pa.int64())
-_STAGE_KEYS: dict[tuple[str, str], str] = {}
-
-
-def _stage_key(side: str, stage: str) -> str:
-    """``side:stage``, the key of ``requests.critical_ns`` (cached: a few dozen distinct values)."""
-    key = _STAGE_KEYS.get((side, stage))
-    if key is None:
-        key = _STAGE_KEYS[side, stage] = f"{side}:{stage}"
-    return key
 
 
 class SchemaMismatch(ValueError):
@@ -262,7 +251,7 @@ class Store:
             "missing": [",".join(b.missing) for b in breakdowns],
             "error": [b.error for b in breakdowns],
             "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
-            "critical_ns": pa.array([[(_stage_key(*key), ns) for key, ns in b.critical_ns.items()]
+            "critical_ns": pa.array([[(f"{side}:{stage}", ns) for (side, stage), ns in b.critical_ns.items()]
                                      for b in breakdowns], _MAP),
             "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
         })

@@ -25,6 +25,7 @@ from typing import Iterator
 
 _HEADER = struct.Struct("<II")
 SEGMENT_BYTES = 64 * 1024 * 1024
+ARCHIVE_BYTES = 4 * 1024**3  # applied segments kept, as the archive of originals
 
 
 def _segment_name(number: int) -> str:
@@ -35,7 +36,7 @@ class WriteAheadLog:
     """Positions are ``(segment number, byte offset after the record)``."""
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False,
-                 segment_bytes: int = SEGMENT_BYTES, archive_bytes: int = 4 * 1024**3) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, archive_bytes: int = ARCHIVE_BYTES) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
@@ -86,7 +87,7 @@ class WriteAheadLog:
             with open(self.directory / _segment_name(segment), "rb") as handle:
                 handle.seek(end - length - _HEADER.size)
                 return _read_record(handle)
-        except (FileNotFoundError, ValueError, OSError):
+        except (OSError, ValueError):  # the segment is gone, or the pointer is past its end
             return None
 
     def release(self, applied: tuple[int, int]) -> int:
