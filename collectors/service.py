@@ -151,7 +151,7 @@ class Collector:
         if self._replaying:
             spans = self._with_stored(trace_id, spans)
         breakdown = self.attributor.attribute(trace_id, spans)
-        self.store.add_breakdown(breakdown)
+        self.store.add_breakdown(breakdown, replaces=late or self._replaying)
         self.metrics.trace(breakdown, late)
         if not self._tee_all and not self._replaying and self.upstreams and self._selected(breakdown):
             payload = rebuild_request(spans).SerializeToString()

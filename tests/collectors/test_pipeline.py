@@ -60,3 +60,19 @@ def test_late_span_replaces_the_breakdown(make_collector):
     assert wait_until(lambda: requests_rows(collector)[0][8] is True)
     assert collector.assembler.stats.traces_late == 1
     assert collector.store.query("SELECT count(*) FROM requests")[0][0] == 1
+
+
+def test_span_for_a_forgotten_trace_does_not_overwrite_its_breakdown(make_collector):
+    # The assembler remembers max_traces decided traces; a span arriving after that starts
+    # a one-span "trace" whose breakdown must not replace the whole one already stored.
+    collector = make_collector(max_traces=2)
+    first, *others = [build("push") for _ in range(4)]
+    for built in [first, *others]:
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+        assert wait_until(lambda: built.trace_id in {r[0] for r in requests_rows(collector)})
+    collector.consume(SpanBatch.of(first.requests[0]))  # a retry, long after
+    assert wait_until(lambda: collector.assembler.stats.traces_decided == 5)
+    row = next(r for r in requests_rows(collector) if r[0] == first.trace_id)
+    assert row[8] is True and row[2] == pytest.approx(first.ttft_ns / MS)
+    assert collector.store.query("SELECT count(*) FROM requests")[0][0] == 4

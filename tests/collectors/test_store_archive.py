@@ -117,7 +117,7 @@ def test_stages_view_matches_the_attribution(make_collector):
     collector = make_collector()
     seen = []
     add = collector.store.add_breakdown
-    collector.store.add_breakdown = lambda breakdown: (seen.append(breakdown), add(breakdown))
+    collector.store.add_breakdown = lambda breakdown, **kw: (seen.append(breakdown), add(breakdown, **kw))
     cases = [build("push", skew_ms={"decode": 50}, hosts="fast"), build("pull", skew_ms={"decode": -50}, hosts="slow")]
     for built in cases:
         for request in built.requests:
