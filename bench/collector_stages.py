@@ -4,7 +4,7 @@
 The same load as bench/collector_ingest.py (contract-shaped traces, ~500 spans per export
 request) is pushed through the collector's own parts in order, in this process and on one
 thread, with the store's writer thread off so that each stage's CPU time is its own:
-parse (protobuf) → decode and check → write-ahead log → store buffer → assembler →
+decode and check (native or Python) → write-ahead log → store buffer → assembler →
 decision + attribution + metrics → store flush (Arrow → DuckDB, one transaction per
 ~20,000 spans, as the writer thread does). No gRPC: bench/collector_ingest.py measures
 the whole process.
@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collector_ingest import STAGES, make_load  # noqa: E402
 
 from kvtrace.collectors.config import CollectorConfig  # noqa: E402
-from kvtrace.collectors.model import SpanBatch, decode  # noqa: E402
-from kvtrace.collectors.receivers import decode_protobuf  # noqa: E402
+from kvtrace.collectors.model import DECODER, SpanBatch  # noqa: E402
 from kvtrace.collectors.service import Collector  # noqa: E402
 
 
@@ -53,10 +52,8 @@ def main() -> int:
         buffered = 0
         t = time.process_time()
         for payload in load:
-            request = decode_protobuf(payload)
-            t = charge("parse (protobuf)", t)
-            batch = SpanBatch(decode(request), request, payload)
-            t = charge("decode + check", t)
+            batch = SpanBatch.decode(payload)
+            t = charge(f"decode + check ({DECODER})", t)
             position = collector.wal.append(payload)
             t = charge("write-ahead log", t)
             collector.store.add_spans(batch, position)

@@ -24,7 +24,7 @@ from .model import SpanRow
 
 @dataclass
 class TraceBuffer:
-    spans: dict[str, SpanRow] = field(default_factory=dict)  # span id -> span (duplicates collapse)
+    spans: dict[bytes, SpanRow] = field(default_factory=dict)  # span id -> span (duplicates collapse)
     first_seen: float = 0.0
     last_seen: float = 0.0
     late: bool = False
@@ -39,16 +39,16 @@ class AssemblerStats:
 
 
 class Assembler:
-    def __init__(self, on_trace: Callable[[str, list[SpanRow], bool], None], *,
+    def __init__(self, on_trace: Callable[[bytes, list[SpanRow], bool], None], *,
                  decision_wait_s: float = 2.0, max_age_s: float = 30.0, max_traces: int = 50_000,
                  decided_cache: int = 50_000, clock: Callable[[], float] = time.monotonic) -> None:
-        self._on_trace = on_trace  # (trace id, spans, late)
+        self._on_trace = on_trace  # (trace id as bytes, spans, late)
         self._wait = decision_wait_s
         self._max_age = max_age_s
         self._max_traces = max_traces
         self._clock = clock
-        self._pending: collections.OrderedDict[str, TraceBuffer] = collections.OrderedDict()
-        self._decided: collections.OrderedDict[str, dict[str, SpanRow]] = collections.OrderedDict()
+        self._pending: collections.OrderedDict[bytes, TraceBuffer] = collections.OrderedDict()
+        self._decided: collections.OrderedDict[bytes, dict[bytes, SpanRow]] = collections.OrderedDict()
         self._decided_cache = decided_cache
         self._next_age_scan = 0.0
         self._lock = threading.Lock()
@@ -104,7 +104,7 @@ class Assembler:
     def pending(self) -> int:
         return len(self._pending)
 
-    def _decide_all(self, ready: list[tuple[str, TraceBuffer]]) -> None:
+    def _decide_all(self, ready: list[tuple[bytes, TraceBuffer]]) -> None:
         if not ready:
             return
         self.stats.traces_decided += len(ready)

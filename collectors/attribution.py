@@ -295,6 +295,8 @@ class Attributor:
             if seg_end < t:
                 parts[_UNATTRIBUTED] += t - seg_end
             if seg_end > seg_start:
+                if category not in parts:  # "root" on a span that is not the router's root
+                    category = _COORDINATION
                 parts[category] += seg_end - seg_start
                 critical[node_key] = seg_end - seg_start
             t = seg_start

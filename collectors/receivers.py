@@ -1,8 +1,8 @@
 """OTLP trace receivers: gRPC ``TraceService/Export`` and HTTP ``POST /v1/traces``.
 
-Both parse with the official ``opentelemetry-proto`` messages, decode and check the spans
-(ids, timestamps: :func:`.model.decode`) and hand one :class:`.model.SpanBatch` at a time
-to the next stage's ``consume``. As in the Collector's otlpreceiver, an error marked
+Both decode and check the spans (ids, timestamps: :func:`.model.decode`) and hand one
+:class:`.model.SpanBatch` at a time to the next stage's ``consume``; OTLP/JSON is parsed
+with the official ``opentelemetry-proto`` messages first and kept as protobuf. As in the Collector's otlpreceiver, an error marked
 permanent becomes 400 / INVALID_ARGUMENT (do not retry); anything else becomes 503 /
 UNAVAILABLE (retry).
 They listen on 127.0.0.1 unless told otherwise.
@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from .model import PermanentError, SpanBatch
@@ -73,15 +72,6 @@ def decode_json(body: bytes) -> ExportRequest:
         json_format.ParseDict(_hex_ids_to_base64(document), request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         raise PermanentError(f"JSON is not an ExportTraceServiceRequest: {exc}") from None
-    return request
-
-
-def decode_protobuf(body: bytes) -> ExportRequest:
-    request = ExportRequest()
-    try:
-        request.ParseFromString(body)
-    except (DecodeError, RecursionError, ValueError) as exc:
-        raise PermanentError(f"malformed protobuf: {exc}") from None
     return request
 
 
@@ -175,7 +165,7 @@ class OtlpHttpReceiver:
             if content_type == JSON:  # kept as protobuf, like every other request
                 self._consume(SpanBatch.of(decode_json(body)))
             else:
-                self._consume(SpanBatch.of(decode_protobuf(body), body))
+                self._consume(SpanBatch.decode(body))
         except PermanentError as exc:
             return self._reply(h, HTTPStatus.BAD_REQUEST, str(exc), content_type)
         except RetryLater as exc:
@@ -229,7 +219,7 @@ class _TraceService:
         if not _authorized(self._token, metadata.get("authorization")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
-            self._consume(SpanBatch.of(decode_protobuf(raw), raw))
+            self._consume(SpanBatch.decode(raw))
         except PermanentError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RetryLater as exc:

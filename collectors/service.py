@@ -19,8 +19,6 @@ import time
 import zlib
 from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 import kvtrace
 
 from .assembler import Assembler
@@ -28,7 +26,7 @@ from .attribution import Attributor, Breakdown
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
-from .model import SpanBatch, SpanRow, decode
+from .model import DECODER, SpanBatch, SpanRow, decode
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .store import Store
 from .wal import WriteAheadLog
@@ -69,6 +67,9 @@ class Collector:
         # The pipeline allocates many short-lived objects per span; the default gen-0
         # threshold (700) makes the cyclic GC scan the growing heap far too often.
         gc.set_threshold(50_000, 20, 20)
+        if DECODER != "native":
+            logger.warning("kvtrace collector: the native OTLP decoder is not built (no C compiler at install?); "
+                           "decoding in Python, several times slower")
         self.store.start(kvtrace.__version__, {k: v for k, v in vars(c).items() if k != "bearer_token"})
         for upstream in self.upstreams:
             upstream.start()
@@ -147,14 +148,20 @@ class Collector:
             for upstream in self.upstreams:
                 upstream.consume(batch.payload, len(batch.rows))
 
-    def _on_trace(self, trace_id: str, spans: list[SpanRow], late: bool) -> None:
+    def _on_trace(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
+        trace_hex = trace_id.hex()
         if self._replaying:
-            spans = self._with_stored(trace_id, spans)
-        breakdown = self.attributor.attribute(trace_id, spans)
+            spans = self._with_stored(trace_hex, spans)
+        try:
+            breakdown = self.attributor.attribute(trace_hex, spans)
+        except Exception:  # one odd trace must not stop the others (its spans are stored)
+            logger.exception("kvtrace collector: could not attribute trace %s", trace_hex)
+            self.metrics.rejected("attribution_error")
+            return
         self.store.add_breakdown(breakdown, replaces=late or self._replaying)
         self.metrics.trace(breakdown, late)
         if not self._tee_all and not self._replaying and self.upstreams and self._selected(breakdown):
-            payload = rebuild_request(spans).SerializeToString()
+            payload = rebuild_request(spans)
             for upstream in self.upstreams:
                 upstream.consume(payload, len(spans))
 
@@ -177,9 +184,7 @@ class Collector:
         replayed = 0
         try:
             for position, payload in self.wal.replay(after):
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(payload)
-                self._process(SpanBatch.of(request, payload), position)
+                self._process(SpanBatch.decode(payload), position)
                 replayed += 1
             self.assembler.poll(flush_all=True)
             self.store.flush()
@@ -197,13 +202,10 @@ class Collector:
         for segment, offset, length, index in self.store.stored_originals(trace_id):
             if (segment, offset) not in decoded:
                 payload = self.wal.read(segment, offset, length)
-                request = ExportTraceServiceRequest()
-                if payload is not None:
-                    request.ParseFromString(payload)
-                else:
+                if payload is None:
                     logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
                                    "(--archive-gib); its breakdown uses the spans that remain", trace_id, segment)
-                decoded[segment, offset] = decode(request)
+                decoded[segment, offset] = decode(payload)[0] if payload is not None else []
             rows = decoded[segment, offset]
             row = rows[index] if index < len(rows) else None
             if row is not None and row.span_id not in known:
@@ -212,23 +214,28 @@ class Collector:
         return spans
 
 
-def rebuild_request(spans: list[SpanRow]) -> ExportTraceServiceRequest:
-    """One request holding the trace's original spans, each under its original resource and scope."""
-    request = ExportTraceServiceRequest()
-    groups: dict[tuple[int, int], Any] = {}
-    resources: dict[int, Any] = {}
+def rebuild_request(spans: list[SpanRow]) -> bytes:
+    """One OTLP export request (protobuf bytes) holding the trace's spans exactly as received,
+    each under its original resource and scope."""
+    resources: dict[int, tuple[bytes, dict[int, tuple[bytes, list[bytes]]]]] = {}
     for row in spans:
-        resource = row.origin.resource
-        key = (id(resource), id(row.scope))
-        scope_spans = groups.get(key)
-        if scope_spans is None:
-            resource_spans = resources.get(id(resource))
-            if resource_spans is None:
-                resource_spans = resources[id(resource)] = request.resource_spans.add()
-                if resource is not None:
-                    resource_spans.resource.CopyFrom(resource)
-            scope_spans = groups[key] = resource_spans.scope_spans.add()
-            if row.scope is not None:
-                scope_spans.scope.CopyFrom(row.scope)
-        scope_spans.spans.add().CopyFrom(row.proto)
-    return request
+        _, scopes = resources.setdefault(id(row.origin), (row.origin.resource, {}))
+        scopes.setdefault(id(row.scope), (row.scope, []))[1].append(row.raw)
+    return b"".join(
+        _field(1, _field(1, resource) + b"".join(_field(2, _field(1, scope) + b"".join(_field(2, raw) for raw in raws))
+                                                 for scope, raws in scopes.values()))
+        for resource, scopes in resources.values())
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (ResourceSpans.resource, ScopeSpans.spans, ...)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -89,9 +89,12 @@ SELECT f.trace_id, f.side, f.stage, {_CATEGORY_SQL} AS category,
 FROM firsts f JOIN requests r USING (trace_id)
 """
 
-# duration_ms is computed by DuckDB on insert, the batch columns from each batch's position.
-_INSERT_SPANS = """INSERT INTO spans SELECT trace_id, span_id, parent_span_id, name, stage, service, instance,
-    role, mode, start_ns, end_ns, (end_ns - start_ns) / 1e6, status, batch_id, batch_index FROM span_batch"""
+# Ids arrive as binary and are written as lower-case hex (a root's all-zero parent as ''),
+# and duration_ms is computed: DuckDB does both per vector, not Python per span.
+_INSERT_SPANS = """INSERT INTO spans SELECT lower(hex(trace_id)), lower(hex(span_id)),
+    CASE WHEN parent_span_id = unhex('0000000000000000') THEN '' ELSE lower(hex(parent_span_id)) END,
+    name, stage, service, instance, role, mode, start_ns, end_ns, (end_ns - start_ns) / 1e6, status,
+    batch_id, batch_index FROM span_batch"""
 
 
 _MAP = pa.map_(pa.string(), pa.int64())
@@ -174,7 +177,7 @@ class Store:
         batch_id = f"{self.run_id}-{next(self._batch_ids)}"
         with self._lock:
             self._batches.append((batch_id, batch, position))
-            self._rows += len(batch.rows)
+            self._rows += len(batch.columns)
             if position is not None:
                 self._position = position
             full = self._rows >= self._flush_rows
@@ -216,7 +219,7 @@ class Store:
                         "wal_segment": pa.array([p[0] if p else None for _, _, p in batches], pa.int32()),
                         "wal_offset": pa.array([p[1] if p else None for _, _, p in batches], pa.int64()),
                         "bytes": pa.array([len(b.payload) for _, b, _ in batches], pa.int32()),
-                        "spans": pa.array([len(b.rows) for _, b, _ in batches], pa.int32())}))
+                        "spans": pa.array([len(b.columns) for _, b, _ in batches], pa.int32())}))
                     con.execute("INSERT INTO batches SELECT * FROM batch_rows")
                     con.unregister("batch_rows")
                 if breakdowns:
@@ -282,22 +285,33 @@ class Store:
                           "ORDER BY 1, 2, 4", [trace_id])
 
 def _span_table(batches: list[tuple[str, SpanBatch, Any]]) -> pa.Table:
-    """The spans of ``batches`` as Arrow columns, one comprehension per column."""
-    rows = [row for _, batch, _ in batches for row in batch.rows]
-    origins = [row.origin for row in rows]
+    """The spans of ``batches`` as Arrow columns, from each batch's packed columns without a
+    Python step per span (ids stay binary here: the insert writes them as hex)."""
+    columns = [batch.columns for _, batch, _ in batches]
+    n = sum(len(c) for c in columns)
+
+    def packed(kind: pa.DataType, name: str) -> pa.Array:
+        return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(b"".join(getattr(c, name) for c in columns))])
+
+    def per_origin(field: str) -> pa.Array:
+        return pa.concat_arrays([
+            pa.array([getattr(o, field) for o in c.origins], pa.string()).take(
+                pa.Array.from_buffers(pa.int32(), len(c), [None, pa.py_buffer(c.origin_index)]))
+            for c in columns])
+
     return pa.table({
-        "trace_id": [r.trace_id for r in rows],
-        "span_id": [r.span_id for r in rows],
-        "parent_span_id": [r.parent_span_id for r in rows],
-        "name": [r.name for r in rows],
-        "stage": [r.stage for r in rows],
-        "service": [o.service for o in origins],
-        "instance": [o.instance for o in origins],
-        "role": [o.role for o in origins],
-        "mode": [o.mode for o in origins],
-        "start_ns": pa.array([r.start for r in rows], pa.int64()),
-        "end_ns": pa.array([r.end for r in rows], pa.int64()),
-        "status": pa.array([r.status for r in rows], pa.int8()),
-        "batch_id": [batch_id for batch_id, batch, _ in batches for _ in batch.rows],
-        "batch_index": [i for _, batch, _ in batches for i in range(len(batch.rows))],
+        "trace_id": packed(pa.binary(16), "trace_ids"),
+        "span_id": packed(pa.binary(8), "span_ids"),
+        "parent_span_id": packed(pa.binary(8), "parent_ids"),
+        "name": pa.array([name for c in columns for name in c.names], pa.string()),
+        "stage": pa.array([stage for c in columns for stage in c.stages], pa.string()),
+        "service": per_origin("service"),
+        "instance": per_origin("instance"),
+        "role": per_origin("role"),
+        "mode": per_origin("mode"),
+        "start_ns": packed(pa.int64(), "starts"),
+        "end_ns": packed(pa.int64(), "ends"),
+        "status": packed(pa.int8(), "statuses"),
+        "batch_id": pa.concat_arrays([pa.repeat(batch_id, len(batch.columns)) for batch_id, batch, _ in batches]),
+        "batch_index": pa.concat_arrays([pa.array(range(len(batch.columns)), pa.int32()) for _, batch, _ in batches]),
     })

@@ -21,6 +21,7 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     for folder in FOLDERS:
         assert f"kvtrace/{folder}/__init__.py" in names
     assert "kvtrace/telemetry/recorder.py" in names and "kvtrace/cli.py" in names
+    assert any(n.startswith("kvtrace/collectors/_otlp.") and n.endswith(".so") for n in names)  # native decoder
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvtrace = kvtrace.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -31,13 +32,15 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     installed = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
     assert installed - {"bin"} == {"kvtrace"}  # bin/ holds the console script
     probe = ("import kvtrace.telemetry, kvtrace.connector, kvtrace.collectors, kvtrace.dashboard;"
-             "print(kvtrace.telemetry.__file__)")
+             "from kvtrace.collectors import model; print(kvtrace.telemetry.__file__, model.DECODER)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(target)}).stdout
-    assert out.strip().startswith(str(target / "kvtrace" / "telemetry"))
+    assert out.strip().startswith(str(target / "kvtrace" / "telemetry")) and out.strip().endswith(" native")
 
 
 def test_editable_install_resolves_the_root_folders(tmp_path):
-    out = subprocess.run([sys.executable, "-c", "import kvtrace.telemetry as t; print(t.__file__)"],
-                         cwd=tmp_path, check=True, capture_output=True, text=True).stdout
-    assert Path(out.strip()) == ROOT / "telemetry" / "__init__.py"
+    out = subprocess.run([sys.executable, "-c", "import kvtrace.telemetry as t, kvtrace.collectors._otlp as n;"
+                          "print(t.__file__); print(n.__file__)"],
+                         cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()
+    assert Path(out[0]) == ROOT / "telemetry" / "__init__.py"
+    assert Path(out[1]).parent == ROOT / "collectors"  # the native decoder, built in place

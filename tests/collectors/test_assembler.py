@@ -3,11 +3,13 @@
 from kvtrace.collectors.assembler import Assembler
 from kvtrace.collectors.model import Origin, SpanRow
 
-ORIGIN = Origin("svc", "svc-0", "producer", "push", "prefill")
+ORIGIN = Origin.of({"service.name": "svc", "service.instance.id": "svc-0", "kvtrace.role": "producer",
+                    "kvtrace.mode": "push"})
 
 
 def row(trace: int, span: int) -> SpanRow:
-    return SpanRow(f"{trace:032x}", f"{span:016x}", "", "kv.write", 10**18, 10**18 + 5, 0, ORIGIN)
+    return SpanRow(trace.to_bytes(16, "big"), span.to_bytes(8, "big"), b"", "kv.write", 10**18, 10**18 + 5, 0, ORIGIN,
+                   "write", {})
 
 
 class Clock:
@@ -20,7 +22,7 @@ class Clock:
 
 def make(**options):
     clock, decided = Clock(), []
-    assembler = Assembler(lambda trace_id, spans, late: decided.append((trace_id, sorted(s.span_id for s in spans), late)),
+    assembler = Assembler(lambda trace_id, spans, late: decided.append((trace_id.hex(), sorted(s.span_id.hex() for s in spans), late)),
                           clock=clock, **options)
     return assembler, clock, decided
 

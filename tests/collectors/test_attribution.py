@@ -3,12 +3,12 @@
 import pytest
 
 from kvtrace.collectors.attribution import Attributor
-from kvtrace.collectors.model import decode
+from kvtrace.collectors.model import SpanBatch
 from tests.collectors.traces import MS, build
 
 
 def attribute(built, attributor=None):
-    rows = [row for request in built.requests for row in decode(request)]
+    rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
     return (attributor or Attributor()).attribute(built.trace_id, rows)
 
 
@@ -92,3 +92,15 @@ def test_jittered_bounds_that_do_not_intersect_fall_back_to_the_median_middle():
     # Per-trace middles are 10 ms + 0.375 x jitter: their median is 10.1875 ms (the middle of
     # the empty intersection's ends would be 10.375 ms).
     assert all(abs(e - 10_187_500) <= 50_000 for e in estimates[64:])
+
+
+def test_a_root_stage_off_the_router_counts_as_coordination():
+    # A sender outside the contract may label any span kvtrace.stage=pd_request; its category
+    # ("root") is not one TTFT is split into, and must not break the walk.
+    built = build("push")
+    rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
+    first_token = next(r for r in rows if r.stage == "first_token")  # where the walk starts
+    rows = [r._replace(stage="pd_request") if r is first_token else r for r in rows]
+    breakdown = Attributor().attribute(built.trace_id, rows)
+    check_invariants(breakdown)
+    assert breakdown.critical_ns[("decode", "pd_request")] > 0 and breakdown.parts["compute"] < built.expected["compute"]

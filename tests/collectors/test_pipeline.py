@@ -76,3 +76,22 @@ def test_span_for_a_forgotten_trace_does_not_overwrite_its_breakdown(make_collec
     row = next(r for r in requests_rows(collector) if r[0] == first.trace_id)
     assert row[8] is True and row[2] == pytest.approx(first.ttft_ns / MS)
     assert collector.store.query("SELECT count(*) FROM requests")[0][0] == 4
+
+
+def test_a_trace_that_cannot_be_attributed_does_not_stop_the_others(make_collector):
+    collector = make_collector()
+    broken, fine = build("push"), build("pull")
+    attribute = collector.attributor.attribute
+
+    def failing(trace_id, spans):
+        if trace_id == broken.trace_id:
+            raise RuntimeError("boom")
+        return attribute(trace_id, spans)
+
+    collector.attributor.attribute = failing
+    for built in (broken, fine):
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+    assert wait_until(lambda: [r[0] for r in requests_rows(collector)] == [fine.trace_id])
+    assert collector.metrics._rejected.labels("attribution_error")._value.get() == 1
+    assert collector.store.query("SELECT count(DISTINCT trace_id) FROM spans")[0][0] == 2  # both stored

@@ -6,7 +6,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvtrace.collectors.config import CollectorConfig
-from kvtrace.collectors.model import Origin, SpanBatch
+from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.service import Collector
 from kvtrace.collectors.store import SchemaMismatch, Store
 from kvtrace.collectors.wal import WriteAheadLog
@@ -34,7 +34,7 @@ def test_a_trace_split_by_a_restart_is_made_whole_from_the_archived_originals(tm
     """P's half is stored before a crash; D's half is only in the log. After the restart the
     replayed half is joined with P's, decoded again from its original bytes in the log."""
     built = build("push")
-    by_side = {Origin.of(rs.resource).side: request for request in built.requests for rs in request.resource_spans}
+    by_side = {SpanBatch.of(request).rows[0].side: request for request in built.requests}
     config = CollectorConfig(db_path=str(tmp_path / "kv.duckdb"), grpc_port=0, http_port=None,
                              decision_wait_s=0.1)
     first = Collector(config)
