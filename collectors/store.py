@@ -94,7 +94,7 @@ FROM firsts f JOIN requests r USING (trace_id)
 _INSERT_SPANS = """INSERT INTO spans SELECT lower(hex(trace_id)), lower(hex(span_id)),
     CASE WHEN parent_span_id = unhex('0000000000000000') THEN '' ELSE lower(hex(parent_span_id)) END,
     name, stage, service, instance, role, mode, start_ns, end_ns, (end_ns - start_ns) / 1e6, status,
-    batch_id, batch_index FROM span_batch"""
+    batch_id, batch_index FROM incoming"""
 
 
 _MAP = pa.map_(pa.string(), pa.int64())
@@ -201,75 +201,54 @@ class Store:
     def flush(self) -> None:
         with self._lock:
             batches, self._batches, self._rows = self._batches, [], 0
-            breakdowns, self._breakdowns = self._breakdowns, {}
+            decided, self._breakdowns = list(self._breakdowns.values()), {}
             position = self._position
-        if not batches and not breakdowns and position is None:
+        if not batches and not decided and position is None:
             return
-        with self._db_lock:
-            con = self._con
-            con.execute("BEGIN")
-            try:
-                if batches:
-                    con.register("span_batch", _span_table(batches))
-                    con.execute(_INSERT_SPANS)
-                    con.unregister("span_batch")
-                    con.register("batch_rows", pa.table({
-                        "batch_id": [batch_id for batch_id, _, _ in batches],
-                        "run_id": [self.run_id] * len(batches),
-                        "wal_segment": pa.array([p[0] if p else None for _, _, p in batches], pa.int32()),
-                        "wal_offset": pa.array([p[1] if p else None for _, _, p in batches], pa.int64()),
-                        "bytes": pa.array([len(b.payload) for _, b, _ in batches], pa.int32()),
-                        "spans": pa.array([len(b.columns) for _, b, _ in batches], pa.int32())}))
-                    con.execute("INSERT INTO batches SELECT * FROM batch_rows")
-                    con.unregister("batch_rows")
-                if breakdowns:
-                    self._write_breakdowns(con, list(breakdowns.values()))
-                if position is not None:
-                    con.execute('INSERT OR REPLACE INTO wal_state VALUES (0, ?, ?)', list(position))
-                con.execute("COMMIT")
-                if position is not None:
-                    self.committed_position = position
-            except Exception:
-                con.execute("ROLLBACK")
-                raise
-
-    @staticmethod
-    def _write_breakdowns(con: Any, decided: list[tuple[Breakdown, bool]]) -> None:
-        # A plain insert (conflicts ignored) for first decisions; only the few decided again
-        # are deleted first. DuckDB's INSERT OR REPLACE costs 2-4x more per row.
-        breakdowns = [b for b, _ in decided]
+        tables = {}  # built once, outside the transaction (and its retry)
+        if batches:
+            tables["spans"] = _span_table(batches)
+            tables["batches"] = pa.table({
+                "batch_id": [batch_id for batch_id, _, _ in batches],
+                "run_id": [self.run_id] * len(batches),
+                "wal_segment": pa.array([p[0] if p else None for _, _, p in batches], pa.int32()),
+                "wal_offset": pa.array([p[1] if p else None for _, _, p in batches], pa.int64()),
+                "bytes": pa.array([len(b.payload) for _, b, _ in batches], pa.int32()),
+                "spans": pa.array([len(b.columns) for _, b, _ in batches], pa.int32())})
+        if decided:
+            tables["requests"] = _request_table([b for b, _ in decided])
         replaced = [b.trace_id for b, replaces in decided if replaces]
-        now = datetime.now(timezone.utc)
-        ms = 1e6
-        requests = pa.table({
-            "trace_id": [b.trace_id for b in breakdowns],
-            "request_id": [b.request_id for b in breakdowns],
-            "mode": [b.mode for b in breakdowns],
-            "started_at": pa.array([b.start_ns // 1000 for b in breakdowns], pa.timestamp("us", tz="UTC")),
-            "ttft_ms": [b.ttft_ns / ms for b in breakdowns],
-            **{f"{c}_ms": [b.parts.get(c, 0) / ms for b in breakdowns]
-               for c in ("compute", "queue", "coordination", "wire", "unattributed")},
-            "prompt_tokens": [b.prompt_tokens for b in breakdowns],
-            "rendezvous_order": [b.rendezvous_order for b in breakdowns],
-            "engine_loop_ms": [b.engine_loop_ns / ms for b in breakdowns],
-            "transfer_bytes": [b.transfer_bytes for b in breakdowns],
-            "transfer_post_us": [b.transfer_post_us for b in breakdowns],
-            "transfer_xfer_us": [b.transfer_xfer_us for b in breakdowns],
-            "prefill_instance": [b.prefill_instance for b in breakdowns],
-            "decode_instance": [b.decode_instance for b in breakdowns],
-            "complete": [b.complete for b in breakdowns],
-            "missing": [",".join(b.missing) for b in breakdowns],
-            "error": [b.error for b in breakdowns],
-            "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
-            "critical_ns": pa.array([[(f"{side}:{stage}", ns) for (side, stage), ns in b.critical_ns.items()]
-                                     for b in breakdowns], _MAP),
-            "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
-        })
-        if replaced:
-            con.execute("DELETE FROM requests WHERE trace_id IN (SELECT unnest(?))", [replaced])
-        con.register("request_batch", requests)
-        con.execute("INSERT OR IGNORE INTO requests SELECT * FROM request_batch")
-        con.unregister("request_batch")
+        with self._db_lock:
+            try:
+                self._commit(tables, replaced, position, on_conflict="")
+            except duckdb.ConstraintException:
+                # A trace decided again after the assembler had forgotten it (a span far too
+                # late): keep the stored row. Rare, so first decisions are a plain insert
+                # (INSERT OR IGNORE costs ~4 µs more per row, OR REPLACE 5-35 µs).
+                self._commit(tables, replaced, position, on_conflict="OR IGNORE")
+        if position is not None:
+            self.committed_position = position
+
+    def _commit(self, tables: dict[str, pa.Table], replaced: list[str], position: tuple[int, int] | None,
+                on_conflict: str) -> None:
+        """One transaction: spans, batches, requests (the ``replaced`` traces' rows deleted
+        first) and how far the write-ahead log is applied."""
+        con = self._con
+        con.execute("BEGIN")
+        try:
+            if replaced:
+                con.execute("DELETE FROM requests WHERE trace_id IN (SELECT unnest(?))", [replaced])
+            for name, table in tables.items():
+                con.register("incoming", table)
+                con.execute(_INSERT_SPANS if name == "spans" else
+                            f"INSERT {on_conflict if name == 'requests' else ''} INTO {name} SELECT * FROM incoming")
+                con.unregister("incoming")
+            if position is not None:
+                con.execute('INSERT OR REPLACE INTO wal_state VALUES (0, ?, ?)', list(position))
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
 
     # ------------------------------------------------------------------ reads
 
@@ -283,6 +262,36 @@ class Store:
         return self.query("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
                           "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
                           "ORDER BY 1, 2, 4", [trace_id])
+
+def _request_table(breakdowns: list[Breakdown]) -> pa.Table:
+    """One row per trace with its breakdown: the ``requests`` table's columns, in order."""
+    now = datetime.now(timezone.utc)
+    ms = 1e6
+    return pa.table({
+        "trace_id": [b.trace_id for b in breakdowns],
+        "request_id": [b.request_id for b in breakdowns],
+        "mode": [b.mode for b in breakdowns],
+        "started_at": pa.array([b.start_ns // 1000 for b in breakdowns], pa.timestamp("us", tz="UTC")),
+        "ttft_ms": [b.ttft_ns / ms for b in breakdowns],
+        **{f"{c}_ms": [b.parts.get(c, 0) / ms for b in breakdowns]
+           for c in ("compute", "queue", "coordination", "wire", "unattributed")},
+        "prompt_tokens": [b.prompt_tokens for b in breakdowns],
+        "rendezvous_order": [b.rendezvous_order for b in breakdowns],
+        "engine_loop_ms": [b.engine_loop_ns / ms for b in breakdowns],
+        "transfer_bytes": [b.transfer_bytes for b in breakdowns],
+        "transfer_post_us": [b.transfer_post_us for b in breakdowns],
+        "transfer_xfer_us": [b.transfer_xfer_us for b in breakdowns],
+        "prefill_instance": [b.prefill_instance for b in breakdowns],
+        "decode_instance": [b.decode_instance for b in breakdowns],
+        "complete": [b.complete for b in breakdowns],
+        "missing": [",".join(b.missing) for b in breakdowns],
+        "error": [b.error for b in breakdowns],
+        "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
+        "critical_ns": pa.array([[(f"{side}:{stage}", ns) for (side, stage), ns in b.critical_ns.items()]
+                                 for b in breakdowns], _MAP),
+        "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
+    })
+
 
 def _span_table(batches: list[tuple[str, SpanBatch, Any]]) -> pa.Table:
     """The spans of ``batches`` as Arrow columns, from each batch's packed columns without a
