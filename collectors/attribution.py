@@ -238,8 +238,11 @@ class Attributor:
             mode = "push"
         offsets = self._offsets(index, root, mode, p_any, d_any)
         timings: dict[tuple[str, str], tuple[int, int, str]] = {}
+        origin = off = None
         for key, span in index.items():
-            off = offsets.get(span.origin.instance, 0)
+            if span.origin is not origin:  # spans of one instance share their Origin
+                origin = span.origin
+                off = offsets.get(origin.instance, 0)
             timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], _COORDINATION))
         first = timings.get(FIRST_TOKEN)
         if root is not None:
@@ -249,9 +252,7 @@ class Attributor:
         else:
             start = min(t[0] for t in timings.values())
             end = first[1] if first else max(t[1] for t in timings.values())
-        walkable = dict(timings)
-        walkable.pop(ROOT, None)
-        parts, critical = self._walk(walkable, PREDECESSORS[mode], start, end)
+        parts, critical = self._walk(timings, PREDECESSORS[mode], start, end)
 
         missing = EXPECTED[mode] - index.keys()
         missing = sorted(f"{side}:{stage}" for side, stage in missing) if missing else []
@@ -278,20 +279,29 @@ class Attributor:
             return parts, critical
         node_key = FIRST_TOKEN
         if node_key not in timings:  # no first token: start from whatever ended last
-            node_key = max(timings, key=lambda k: timings[k][1], default=None)
+            node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
         t = end
+        # Comparisons rather than min()/max() calls: this loop runs for every trace.
         while node_key is not None and t > start:
             node_start, node_end, category = timings[node_key]
             preds = graph.get(node_key)
-            if preds is None:  # off the known graph: anything that ended before it
-                preds = [k for k, s in timings.items() if k != node_key and s[1] <= node_start]
-            pred_key, pred_end = None, 0
+            if preds is None:  # off the known graph: anything that ended before it (but the root)
+                preds = [k for k, s in timings.items() if k != node_key and k != ROOT and s[1] <= node_start]
+            pred_key, pred_end = None, start
             for key in preds:  # the predecessor that ended last (the first of equals)
                 candidate = timings.get(key)
                 if candidate is not None and (pred_key is None or candidate[1] > pred_end):
                     pred_key, pred_end = key, candidate[1]
-            seg_end = max(min(node_end, t), start)
-            seg_start = min(max(node_start, pred_end if pred_key is not None else start, start), seg_end)
+            # This stage's segment: from when its last predecessor ended (or it started, if
+            # later) to when it ended (or t, if the walk is already earlier), within [start, t].
+            seg_end = node_end if node_end < t else t
+            if seg_end < start:
+                seg_end = start
+            seg_start = node_start if node_start > pred_end else pred_end
+            if seg_start < start:
+                seg_start = start
+            if seg_start > seg_end:
+                seg_start = seg_end
             if seg_end < t:
                 parts[_UNATTRIBUTED] += t - seg_end
             if seg_end > seg_start:

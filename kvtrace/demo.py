@@ -90,7 +90,7 @@ def run(modes: list[str], requests: int, max_tokens: int, db: Path) -> None:
             print(_table(queries.stage_summary(con, mode).to_pylist(), [
                 ("side", "side", ""), ("stage", "stage", ""), ("category", "category", ""),
                 ("duration_p50_ms", "duration", ".2f"), ("critical_p50_ms", "critical", ".2f")]))
-        print(f"\nstored in {db} (tables requests, spans, batches, runs; view stages)")
+        print(f"\nstored in {db} (tables requests, span_rows, origins, batches, runs; views spans, stages)")
     finally:
         collector.shutdown()
 

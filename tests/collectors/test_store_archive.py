@@ -133,3 +133,24 @@ def test_stages_view_matches_the_attribution(make_collector):
                           for s in breakdown.stages)
         assert sorted(view) == expected
         assert sum(row[6] for row in view) <= breakdown.ttft_ns / 1e6
+
+
+def test_senders_and_batches_keep_their_ids_across_runs(tmp_path):
+    path = str(tmp_path / "kv.duckdb")
+    first, second = build("push"), build("pull")
+    for built in (first, second):  # two runs on one file, the same three senders' names
+        store = Store(path)
+        for request in built.requests:
+            store.add_spans(SpanBatch.of(request), None)
+        store.flush()
+        store.shutdown()
+    con = duckdb.connect(path, read_only=True)
+    senders = con.execute("SELECT service, instance, role, mode FROM origins ORDER BY origin_id").fetchall()
+    assert len(senders) == len(set(senders)) == 6  # router, P, D in push mode, then in pull mode
+    assert con.execute("SELECT count(*), count(DISTINCT batch_id) FROM batches").fetchone() == (6, 6)
+    by_trace = dict(con.execute("SELECT trace_id, list(DISTINCT mode) FROM spans GROUP BY 1").fetchall())
+    assert by_trace == {first.trace_id: ["push"], second.trace_id: ["pull"]}
+    total = sum(len(ss.spans) for b in (first, second) for r in b.requests for rs in r.resource_spans
+                for ss in rs.scope_spans)
+    assert con.execute("SELECT count(*) FROM spans WHERE duration_ms >= 0 AND service LIKE '%'").fetchone()[0] == total
+    con.close()
