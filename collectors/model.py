@@ -9,7 +9,7 @@ each span once, checks its ids and times on the way, and reads only the attribut
 collector uses (:data:`WANTED_ATTRIBUTES`); the rest stay in the original bytes.
 
 Decoding is native (``_otlp.c``, reading the protobuf wire format straight into rows and
-columns, ~10x faster) where the extension is built, and :func:`decode_python` (the official
+columns, ~7x faster) where the extension is built, and :func:`decode_python` (the official
 ``opentelemetry-proto`` messages) otherwise; the tests hold the two to the same output.
 
 Where a span was recorded (router, prefill, decode) and which stage it is come from the

@@ -1,6 +1,7 @@
 """The native OTLP decoder (collectors/_otlp.c) against the reference, decode_python: same
 rows, same columns, same errors; and hostile bytes only ever end in PermanentError."""
 
+import gc
 import os
 import random
 import time
@@ -96,6 +97,7 @@ def test_native_and_python_decode_the_same(case):
         native_result, python_result = both(request.SerializeToString())
         assert not isinstance(native_result, Exception), native_result
         assert comparable(native_result) == comparable(python_result)
+        assert not any(gc.is_tracked(row) for row in native_result[0])  # the cyclic GC never walks them
 
 
 @native
