@@ -264,9 +264,39 @@ typedef struct {
 
 static const uint8_t ZERO_ID[16] = {0};
 
+/* Where the spans being decoded come from: set per resource, then per scope (borrowed). */
+typedef struct {
+    Decoder *d;
+    PyObject *origin, *stages, *scope, *resource_attrs;
+    int32_t origin_index;
+} Sender;
+
+typedef int (*MessageFn)(Sender *s, Reader message);
+
+/* fn on each occurrence of the length-delimited field `wanted`, the other fields skipped.
+ * Stops at the first non-zero result: -1 an error, 1 a span that failed the checks. */
+static int each_message(Reader r, uint32_t wanted, MessageFn fn, Sender *s) {
+    while (r.p < r.end) {
+        uint32_t field;
+        int wt;
+        if (read_tag(&r, &field, &wt) < 0) return -1;
+        if (field == wanted && wt == WT_LEN) {
+            Reader inner;
+            if (read_len(&r, &inner) < 0) return -1;
+            int rc = fn(s, inner);
+            if (rc != 0) return rc;
+        } else if (skip_field(&r, field, wt, 0) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* One Span. 0: decoded; 1: it failed the checks (d->bad_span set); -1: error. */
-static int span(Decoder *d, Reader r, PyObject *origin, PyObject *origin_stages, int32_t origin_index,
-                PyObject *scope) {
+static int span(Sender *s, Reader r) {
+    Decoder *d = s->d;
+    PyObject *origin = s->origin, *origin_stages = s->stages, *scope = s->scope;
+    int32_t origin_index = s->origin_index;
     const uint8_t *span_start = r.p;
     Reader trace_id = {0}, span_id = {0}, parent = {0}, name = {0}, status;
     uint64_t start = 0, end = 0, code = 0;
@@ -417,45 +447,30 @@ error:
     return NULL;
 }
 
-static int scope_spans(Decoder *d, Reader r, PyObject *origin, PyObject *origin_stages, int32_t origin_index) {
+static int scope_spans(Sender *s, Reader r) {
     PyObject *scope = collect(r, 1);
     if (scope == NULL) return -1;
-    int rc = 0;
-    while (r.p < r.end && rc == 0) {
-        uint32_t field;
-        int wt;
-        if (read_tag(&r, &field, &wt) < 0) {
-            rc = -1;
-        } else if (field == 2 && wt == WT_LEN) {
-            Reader inner;
-            rc = read_len(&r, &inner) < 0 ? -1 : span(d, inner, origin, origin_stages, origin_index, scope);
-        } else {
-            rc = skip_field(&r, field, wt, 0);
-        }
-    }
+    s->scope = scope;
+    int rc = each_message(r, 2, span, s);
     Py_DECREF(scope);
     return rc;
 }
 
-static int resource_spans(Decoder *d, Reader r) {
-    PyObject *resource = collect(r, 1), *attrs = NULL, *origin = NULL, *stages = NULL;
+static int resource_attribute(Sender *s, Reader kv) {
+    return key_value(kv, &s->d->resource_keys, &s->resource_attrs);
+}
+
+static int resource_spans(Sender *s, Reader r) {
+    Decoder *d = s->d;
+    PyObject *resource = collect(r, 1), *origin = NULL, *stages = NULL;
     int rc = -1;
     if (resource == NULL) return -1;
+    s->resource_attrs = NULL;
     Reader res = {(const uint8_t *)PyBytes_AS_STRING(resource),
                   (const uint8_t *)PyBytes_AS_STRING(resource) + PyBytes_GET_SIZE(resource)};
-    while (res.p < res.end) {
-        uint32_t field;
-        int wt;
-        if (read_tag(&res, &field, &wt) < 0) goto done;
-        if (field == 1 && wt == WT_LEN) {
-            Reader kv;
-            if (read_len(&res, &kv) < 0 || key_value(kv, &d->resource_keys, &attrs) < 0) goto done;
-        } else if (skip_field(&res, field, wt, 0) < 0) {
-            goto done;
-        }
-    }
-    if (attrs == NULL && (attrs = PyDict_New()) == NULL) goto done;
-    origin = PyObject_CallFunctionObjArgs(d->origin_of, attrs, resource, NULL);
+    if (each_message(res, 1, resource_attribute, s) < 0) goto done;
+    if (s->resource_attrs == NULL && (s->resource_attrs = PyDict_New()) == NULL) goto done;
+    origin = PyObject_CallFunctionObjArgs(d->origin_of, s->resource_attrs, resource, NULL);
     if (origin == NULL) goto done;
     stages = PyObject_GetAttrString(origin, "stages");
     if (stages == NULL) goto done;
@@ -463,24 +478,14 @@ static int resource_spans(Decoder *d, Reader r) {
         PyErr_SetString(PyExc_TypeError, "Origin.stages must be a dict");
         goto done;
     }
-    int32_t index = (int32_t)PyList_GET_SIZE(d->origins);
+    s->origin = origin;
+    s->stages = stages;
+    s->origin_index = (int32_t)PyList_GET_SIZE(d->origins);
     if (PyList_Append(d->origins, origin) < 0) goto done;
-    rc = 0;
-    while (r.p < r.end && rc == 0) {
-        uint32_t field;
-        int wt;
-        if (read_tag(&r, &field, &wt) < 0) {
-            rc = -1;
-        } else if (field == 2 && wt == WT_LEN) {
-            Reader inner;
-            rc = read_len(&r, &inner) < 0 ? -1 : scope_spans(d, inner, origin, stages, index);
-        } else {
-            rc = skip_field(&r, field, wt, 0);
-        }
-    }
+    rc = each_message(r, 2, scope_spans, s);
 done:
     Py_DECREF(resource);
-    Py_XDECREF(attrs);
+    Py_CLEAR(s->resource_attrs);
     Py_XDECREF(origin);
     Py_XDECREF(stages);
     return rc;
@@ -509,19 +514,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (!d.rows || !d.origins || !d.names || !d.stages || !d.empty) goto done;
 
     Reader r = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
-    int rc = 0;
-    while (r.p < r.end && rc == 0) {
-        uint32_t field;
-        int wt;
-        if (read_tag(&r, &field, &wt) < 0) {
-            rc = -1;
-        } else if (field == 1 && wt == WT_LEN) {
-            Reader inner;
-            rc = read_len(&r, &inner) < 0 ? -1 : resource_spans(&d, inner);
-        } else {
-            rc = skip_field(&r, field, wt, 0);
-        }
-    }
+    Sender sender = {&d};
+    int rc = each_message(r, 1, resource_spans, &sender);
     if (rc < 0) goto done;
     if (rc == 1) {
         result = Py_BuildValue("(OOO)", Py_None, d.bad_span, Py_None);
