@@ -2,9 +2,9 @@
 
 Both decode and check the spans (ids, timestamps: :func:`.model.decode`) and hand one
 :class:`.model.SpanBatch` at a time to the next stage's ``consume``; OTLP/JSON is parsed
-with the official ``opentelemetry-proto`` messages first and kept as protobuf. As in the Collector's otlpreceiver, an error marked
-permanent becomes 400 / INVALID_ARGUMENT (do not retry); anything else becomes 503 /
-UNAVAILABLE (retry).
+with the official ``opentelemetry-proto`` messages first and kept as protobuf. As in the
+Collector's otlpreceiver, an error marked permanent becomes 400 / INVALID_ARGUMENT (do not
+retry); anything else becomes 503 / UNAVAILABLE (retry).
 They listen on 127.0.0.1 unless told otherwise.
 """
 

@@ -26,7 +26,7 @@ from .attribution import Attributor, Breakdown
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
-from .model import DECODER, SpanBatch, SpanRow, decode
+from .model import DECODER, PermanentError, SpanBatch, SpanRow, decode
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .store import Store
 from .wal import WriteAheadLog
@@ -184,7 +184,13 @@ class Collector:
         replayed = 0
         try:
             for position, payload in self.wal.replay(after):
-                self._process(SpanBatch.decode(payload), position)
+                try:
+                    batch = SpanBatch.decode(payload)
+                except PermanentError as exc:  # accepted by another version's decoder: skip, never crash-loop
+                    logger.error("kvtrace collector: a logged request no longer decodes (%s); skipped", exc)
+                    self.metrics.rejected("replay_undecodable")
+                    continue
+                self._process(batch, position)
                 replayed += 1
             self.assembler.poll(flush_all=True)
             self.store.flush()

@@ -154,3 +154,21 @@ def test_senders_and_batches_keep_their_ids_across_runs(tmp_path):
                 for ss in rs.scope_spans)
     assert con.execute("SELECT count(*) FROM spans WHERE duration_ms >= 0 AND service LIKE '%'").fetchone()[0] == total
     con.close()
+
+
+def test_a_logged_request_that_no_longer_decodes_is_skipped_at_restart(tmp_path):
+    config = CollectorConfig(db_path=str(tmp_path / "kv.duckdb"), grpc_port=0, http_port=None, decision_wait_s=0.1)
+    built = build("push")
+    first = Collector(config)
+    first.start()
+    first.wal.append(b"\x0a\xff\xff")  # logged, never applied: truncated protobuf
+    for request in built.requests:
+        first.wal.append(request.SerializeToString())
+    first.shutdown()
+    second = Collector(config)
+    second.start()  # must not crash-loop on the bad record
+    try:
+        assert second.metrics._rejected.labels("replay_undecodable")._value.get() == 1
+        assert second.store.query("SELECT trace_id, complete FROM requests") == [(built.trace_id, True)]
+    finally:
+        second.shutdown()
