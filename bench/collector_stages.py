@@ -6,7 +6,7 @@ request) is pushed through the collector's own parts in order, in this process a
 thread, with the store's writer thread off so that each stage's CPU time is its own:
 decode and check (native or Python) → write-ahead log → store buffer → assembler →
 decision + attribution + metrics → store flush (Arrow → DuckDB, one transaction per
-~20,000 spans, as the writer thread does). No gRPC: bench/collector_ingest.py measures
+65,536 spans, the writer thread's size limit). No gRPC: bench/collector_ingest.py measures
 the whole process.
 """
 

@@ -39,7 +39,7 @@ import duckdb
 import pyarrow as pa
 
 from .attribution import STAGE_CATEGORY, Breakdown
-from .model import SIDE_OF_ROLE, Origin, SpanBatch
+from .model import SIDE_OF_ROLE, Origin, SpanBatch, SpanColumns
 
 SCHEMA_VERSION = 4  # bump when a table or view changes
 SCHEMA = """
@@ -127,7 +127,9 @@ class Store:
             raise
         self._lock = threading.Lock()  # guards the buffers; the connection is used by one thread
         self._db_lock = threading.Lock()
-        self._batches: list[tuple[int, SpanBatch, tuple | None]] = []  # (id, batch, log position)
+        # (batch id, its columns, bytes of its original, log position): only what the tables
+        # need, so a batch's rows and original are freed once the assembler is done with them
+        self._batches: list[tuple[int, SpanColumns, int, tuple | None]] = []
         self._rows = 0
         # Batch ids count on from the file's last; each sender (service, instance, role, mode)
         # is a row of ``origins``, its id given on first sight and kept across runs.
@@ -192,7 +194,7 @@ class Store:
         """One export request; ``position``: where the write-ahead log is once it is stored."""
         with self._lock:
             batch_id = next(self._batch_ids)
-            self._batches.append((batch_id, batch, position))
+            self._batches.append((batch_id, batch.columns, len(batch.payload), position))
             self._rows += len(batch.columns)
             if position is not None:
                 self._position = position
@@ -227,12 +229,12 @@ class Store:
             if batches:
                 tables["spans"] = _span_table(batches, self._origin_id_of(new_origins))
                 tables["batches"] = pa.table({
-                    "batch_id": pa.array([batch_id for batch_id, _, _ in batches], pa.int64()),
+                    "batch_id": pa.array([batch_id for batch_id, _, _, _ in batches], pa.int64()),
                     "run_id": [self.run_id] * len(batches),
-                    "wal_segment": pa.array([p[0] if p else None for _, _, p in batches], pa.int32()),
-                    "wal_offset": pa.array([p[1] if p else None for _, _, p in batches], pa.int64()),
-                    "bytes": pa.array([len(b.payload) for _, b, _ in batches], pa.int32()),
-                    "spans": pa.array([len(b.columns) for _, b, _ in batches], pa.int32())})
+                    "wal_segment": pa.array([p[0] if p else None for _, _, _, p in batches], pa.int32()),
+                    "wal_offset": pa.array([p[1] if p else None for _, _, _, p in batches], pa.int64()),
+                    "bytes": pa.array([size for _, _, size, _ in batches], pa.int32()),
+                    "spans": pa.array([len(columns) for _, columns, _, _ in batches], pa.int32())})
             if new_origins:
                 tables["origins"] = pa.table({
                     "origin_id": pa.array(list(new_origins.values()), pa.int32()),
@@ -328,10 +330,10 @@ def _request_table(breakdowns: list[Breakdown]) -> pa.Table:
 _ORIGIN_COLUMNS = ("service", "instance", "role", "mode")
 
 
-def _span_table(batches: list[tuple[int, SpanBatch, Any]], origin_id: Callable[[Origin], int]) -> pa.Table:
+def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_id: Callable[[Origin], int]) -> pa.Table:
     """The spans of ``batches`` as Arrow columns, from each batch's packed columns without a
     Python step per span (ids stay binary here: the insert writes them as hex)."""
-    columns = [batch.columns for _, batch, _ in batches]
+    columns = [batch_columns for _, batch_columns, _, _ in batches]
     n = sum(len(c) for c in columns)
 
     def packed(kind: pa.DataType, name: str) -> pa.Array:
@@ -351,7 +353,6 @@ def _span_table(batches: list[tuple[int, SpanBatch, Any]], origin_id: Callable[[
         "start_ns": packed(pa.int64(), "starts"),
         "end_ns": packed(pa.int64(), "ends"),
         "status": packed(pa.int8(), "statuses"),
-        "batch_id": pa.concat_arrays([pa.repeat(batch_id, len(batch.columns)).cast(pa.int64())
-                                      for batch_id, batch, _ in batches]),
-        "batch_index": pa.concat_arrays([pa.array(range(len(batch.columns)), pa.int32()) for _, batch, _ in batches]),
+        "batch_id": pa.concat_arrays([pa.repeat(batch_id, len(c)).cast(pa.int64()) for batch_id, c, _, _ in batches]),
+        "batch_index": pa.concat_arrays([pa.array(range(len(c)), pa.int32()) for c in columns]),
     })
