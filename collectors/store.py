@@ -33,7 +33,7 @@ import json
 import threading
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -227,7 +227,9 @@ class Store:
             tables = {}  # built once, outside the transaction (and its retry)
             new_origins: dict[tuple[str, str, str, str], int] = {}
             if batches:
-                tables["spans"] = _span_table(batches, self._origin_id_of(new_origins))
+                origin_ids = [[self._origin_id(o, new_origins) for o in columns.origins]
+                              for _, columns, _, _ in batches]
+                tables["spans"] = _span_table(batches, origin_ids)
                 tables["batches"] = pa.table({
                     "batch_id": pa.array([batch_id for batch_id, _, _, _ in batches], pa.int64()),
                     "run_id": [self.run_id] * len(batches),
@@ -253,15 +255,14 @@ class Store:
         if position is not None:
             self.committed_position = position
 
-    def _origin_id_of(self, new: dict[tuple[str, str, str, str], int]) -> Callable[[Origin], int]:
-        """Origin -> its id in ``origins``; ids given here are added to ``new`` (committed with the spans)."""
-        def origin_id(origin: Origin) -> int:
-            key = (origin.service, origin.instance, origin.role, origin.mode)
-            found = self._origin_ids.get(key, new.get(key))
-            if found is None:
-                found = new[key] = len(self._origin_ids) + len(new) + 1
-            return found
-        return origin_id
+    def _origin_id(self, origin: Origin, new: dict[tuple[str, str, str, str], int]) -> int:
+        """The sender's id in ``origins``; one seen for the first time gets the next id, in
+        ``new`` until the flush that writes it commits."""
+        key = (origin.service, origin.instance, origin.role, origin.mode)
+        found = self._origin_ids.get(key, new.get(key))
+        if found is None:
+            found = new[key] = len(self._origin_ids) + len(new) + 1
+        return found
 
     def _commit(self, tables: dict[str, pa.Table], replaced: list[str], position: tuple[int, int] | None,
                 on_conflict: str) -> None:
@@ -330,7 +331,7 @@ def _request_table(breakdowns: list[Breakdown]) -> pa.Table:
 _ORIGIN_COLUMNS = ("service", "instance", "role", "mode")
 
 
-def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_id: Callable[[Origin], int]) -> pa.Table:
+def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: list[list[int]]) -> pa.Table:
     """The spans of ``batches`` as Arrow columns, from each batch's packed columns without a
     Python step per span (ids stay binary here: the insert writes them as hex)."""
     columns = [batch_columns for _, batch_columns, _, _ in batches]
@@ -347,9 +348,9 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_id: Cal
         "stage": pa.array([stage for c in columns for stage in c.stages], pa.string()),
         # each batch's origin index (into its own origins) mapped to the file's origin ids
         "origin_id": pa.concat_arrays([
-            pa.array([origin_id(o) for o in c.origins], pa.int32()).take(
+            pa.array(ids, pa.int32()).take(
                 pa.Array.from_buffers(pa.int32(), len(c), [None, pa.py_buffer(c.origin_index)]))
-            for c in columns]),
+            for c, ids in zip(columns, origin_ids)]),
         "start_ns": packed(pa.int64(), "starts"),
         "end_ns": packed(pa.int64(), "ends"),
         "status": packed(pa.int8(), "statuses"),
