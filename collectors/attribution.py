@@ -35,6 +35,8 @@ ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Si
 ROUTE = (ROUTER, semconv.STAGE_LABELS[Stage.PD_ROUTE])
 ROOT = (ROUTER, semconv.STAGE_LABELS[Stage.PD_REQUEST])
 FIRST_TOKEN = (DECODE, semconv.STAGE_LABELS[Stage.FIRST_TOKEN])
+ALLOCATION = (DECODE, semconv.STAGE_LABELS[Stage.ALLOCATION])
+D_COMPLETION = (DECODE, semconv.STAGE_LABELS[Stage.COMPLETION])
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
 PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
@@ -77,7 +79,7 @@ for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
     for _stage in _stages:
         _DETAILS.setdefault(semconv.STAGE_LABELS[_stage], []).append(_key)
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
-CATEGORIES = (Category.COMPUTE, Category.QUEUE, Category.COORDINATION, Category.WIRE, Category.UNATTRIBUTED)
+CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
@@ -114,12 +116,34 @@ class Breakdown:
     rendezvous_order: str = ""
     engine_loop_ns: int = 0
     transfer_bytes: int = 0
+    transfer_descriptors: int = 0
     transfer_post_us: int = 0
     transfer_xfer_us: int = 0
     prompt_tokens: int = 0
     prefill_instance: str = ""
     decode_instance: str = ""
     offsets_ns: dict[str, int] = field(default_factory=dict)
+    run_id: str = ""
+    e2e_ns: int = 0  # pd.request: client request in -> last byte out
+    output_tokens: int = 0
+    last_token_ns: int = 0  # from the start, as the router saw it; 0 if unknown
+    block_count: int = 0  # KV blocks D allocated for the request
+
+    @property
+    def tpot_ns(self) -> int:
+        """Time per output token after the first, as the router saw it (0 with fewer than 2 tokens)."""
+        if self.output_tokens < 2 or self.last_token_ns <= self.ttft_ns:
+            return 0
+        return (self.last_token_ns - self.ttft_ns) // (self.output_tokens - 1)
+
+    @property
+    def kv_hold_ns(self) -> int:
+        """How long D held the request's KV blocks before its data landed: from the allocation
+        to the transfer's completion on D (push allocates while P prefills; pull after)."""
+        allocation, done = self.timings.get(ALLOCATION), self.timings.get(D_COMPLETION)
+        if allocation is None or done is None:
+            return 0
+        return max(0, done[0] - allocation[1])
 
     @property
     def stages(self) -> list[StageTiming]:
@@ -260,9 +284,11 @@ class Attributor:
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error,
-            offsets_ns={inst: off for inst, off in offsets.items() if off},
+            offsets_ns=offsets,
             prefill_instance=p_any.origin.instance if p_any else "",
             decode_instance=d_any.origin.instance if d_any else "",
+            run_id=_run_id(root, spans),
+            e2e_ns=root.end - root.start if root is not None else 0,
         )
         self._details(breakdown, spans)
         return breakdown
@@ -381,6 +407,8 @@ class Attributor:
                     breakdown.rendezvous_order = str(value)
                 elif key == semconv.ATTR_TRANSFER_BYTES:
                     breakdown.transfer_bytes += int(value)
+                elif key == semconv.ATTR_TRANSFER_DESCRIPTORS:
+                    breakdown.transfer_descriptors += int(value)
                 elif key == semconv.ATTR_TRANSFER_POST_US:
                     breakdown.transfer_post_us += int(value)
                 elif key == semconv.ATTR_TRANSFER_XFER_US:
@@ -389,6 +417,19 @@ class Attributor:
                     breakdown.engine_loop_ns += int(value)
                 elif key == semconv.ATTR_INPUT_TOKENS:
                     breakdown.prompt_tokens = max(breakdown.prompt_tokens, int(value))
+                elif key == semconv.ATTR_OUTPUT_TOKENS:
+                    breakdown.output_tokens = int(value)
+                elif key == semconv.ATTR_ROUTER_LAST_TOKEN_NS:
+                    breakdown.last_token_ns = int(value)
+                elif key == semconv.ATTR_BLOCK_COUNT:
+                    breakdown.block_count = max(breakdown.block_count, int(value))
+
+
+def _run_id(root: SpanRow | None, spans: list[SpanRow]) -> str:
+    """The run the router served, else the first the engines name."""
+    if root is not None and root.origin.run_id:
+        return root.origin.run_id
+    return next((s.origin.run_id for s in spans if s.origin.run_id), "")
 
 
 def _request_id(root: SpanRow | None, spans: list[SpanRow]) -> str:

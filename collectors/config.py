@@ -62,6 +62,7 @@ class CollectorConfig:
     fsync: bool = False
     archive_bytes: int = DEFAULT_ARCHIVE_BYTES  # originals kept in the write-ahead log beyond what it needs
     metrics_port: int | None = None
+    query_port: int | None = 0  # the read-only query endpoint; 0: any free port; None: off
 
     @property
     def wal_path(self) -> str:
@@ -69,7 +70,7 @@ class CollectorConfig:
 
     def validate(self) -> None:
         for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port),
-                           ("--metrics-port", self.metrics_port)):
+                           ("--metrics-port", self.metrics_port), ("--query-port", self.query_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{flag} {port}: not a port")
         if self.grpc_port is None and self.http_port is None:

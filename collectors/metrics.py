@@ -44,6 +44,7 @@ class CollectorMetrics:
                                  ("mode", "category"), PART_BUCKETS)
         r.register(self._ttft)
         r.register(self._parts)
+        self._counts = {"spans_received": 0, "requests_rejected": 0, "traces_incomplete": 0}
 
     def watch(self, collector: Any) -> None:
         """Expose the forwarders' and assembler's own counters at scrape time."""
@@ -52,14 +53,22 @@ class CollectorMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
+    def counts(self) -> dict[str, int]:
+        """Spans received, requests rejected and incomplete traces so far (for the store's health rows)."""
+        return dict(self._counts)
+
     def spans_received(self, n: int) -> None:
         self._spans.inc(n)
+        self._counts["spans_received"] += n
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()
+        self._counts["requests_rejected"] += 1
 
     def trace(self, breakdown: Breakdown, late: bool) -> None:
         self._traces.labels(breakdown.mode, str(breakdown.complete).lower()).inc()
+        if not breakdown.complete:
+            self._counts["traces_incomplete"] += 1
         if late:
             self._late.inc()
         if breakdown.ttft_ns > 0:

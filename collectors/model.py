@@ -58,7 +58,7 @@ _NO_STAGES: dict[str, str] = {}
 # The span attributes the collector reads; the rest stay in the original, unread.
 WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                            semconv.RES_MODE})
+                            semconv.RES_MODE, semconv.RES_RUN_ID})
 _SPAN_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in WANTED_ATTRIBUTES}
 _RESOURCE_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in _RESOURCE_KEYS}
 
@@ -87,6 +87,7 @@ class Origin:
     side: str  # router / prefill / decode, or the service name outside the contract
     stages: dict[str, str]  # span name -> stage, for this side's contract spans
     resource: bytes = b""  # the original Resource message
+    run_id: str = ""  # the experiment run it serves (kvtrace.run.id), if any
 
     @classmethod
     def of(cls, attributes: dict[str, Any], resource: bytes = b"") -> "Origin":
@@ -96,7 +97,7 @@ class Origin:
         side = SIDE_OF_ROLE.get(role, service)
         return cls(service, str(attributes.get(semconv.RES_SERVICE_INSTANCE_ID) or service), role,
                    str(attributes.get(semconv.RES_MODE) or ""), side, _STAGES_OF_SIDE.get(side, _NO_STAGES),
-                   resource)
+                   resource, str(attributes.get(semconv.RES_RUN_ID) or ""))
 
 
 class SpanRow(NamedTuple):
@@ -260,3 +261,30 @@ def _problem(span: Any, latest: int) -> str:
     if not (MIN_TIME_NS <= start <= latest and MIN_TIME_NS <= end <= latest):
         return f"span {span.name!r}: timestamp out of range"
     return f"span {span.name!r}: ends before it starts"
+
+
+def rebuild_request(spans: list[SpanRow]) -> bytes:
+    """One OTLP export request (protobuf bytes) holding the trace's spans exactly as received,
+    each under its original resource and scope."""
+    resources: dict[int, tuple[bytes, dict[int, tuple[bytes, list[bytes]]]]] = {}
+    for row in spans:
+        _, scopes = resources.setdefault(id(row.origin), (row.origin.resource, {}))
+        scopes.setdefault(id(row.scope), (row.scope, []))[1].append(row.raw)
+    return b"".join(
+        _field(1, _field(1, resource) + b"".join(_field(2, _field(1, scope) + b"".join(_field(2, raw) for raw in raws))
+                                                 for scope, raws in scopes.values()))
+        for resource, scopes in resources.values())
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (ResourceSpans.resource, ScopeSpans.spans, ...)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -11,21 +11,20 @@ They listen on 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import base64
-import hmac
 import json
 import logging
-import ssl
-import threading
 from collections.abc import Callable
 from concurrent import futures
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from .config import DEFAULT_MAX_BODY_BYTES
+from .httpserver import JSON, HttpServer, authorized, reply, reply_error
 from .model import PermanentError, SpanBatch
 
 logger = logging.getLogger(__name__)
@@ -33,10 +32,7 @@ logger = logging.getLogger(__name__)
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 Consumer = Callable[[SpanBatch], None]
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
 PROTOBUF = "application/x-protobuf"
-JSON = "application/json"
 
 
 class RetryLater(Exception):
@@ -75,12 +71,6 @@ def decode_json(body: bytes) -> ExportRequest:
     return request
 
 
-def _authorized(expected_token: str | None, header: str | None) -> bool:
-    if expected_token is None:
-        return True
-    return hmac.compare_digest((header or "").encode(), f"Bearer {expected_token}".encode())
-
-
 # --------------------------------------------------------------------------------------
 # HTTP
 # --------------------------------------------------------------------------------------
@@ -95,103 +85,55 @@ class OtlpHttpReceiver:
         self._consume = consume
         self._max_body = max_body_bytes
         self._token = bearer_token
-        self._server = ThreadingHTTPServer((host, port), self._handler_class())
-        self._server.daemon_threads = True
-        self._scheme = "http"
-        if tls is not None:  # (certificate file, key file)
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(*tls)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
-            self._scheme = "https"
-        self._thread: threading.Thread | None = None
+        self._server = HttpServer(self._handle, host, port, name="kvtrace-otlp-http", tls=tls)
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._server.port
 
     @property
     def endpoint(self) -> str:
-        return f"{self._scheme}://127.0.0.1:{self.port}/v1/traces"
+        return f"{self._server.base_url}/v1/traces"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtrace-otlp-http",
-                                        daemon=True)
-        self._thread.start()
+        self._server.start()
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()
+        self._server.shutdown()
 
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = 30  # a client that stops sending mid-body cannot hold a thread forever
-            disable_nagle_algorithm = True  # headers and body go out in two writes
-
-            def log_message(self, fmt: str, *args: Any) -> None:  # keep request lines out of logs
-                logger.debug(fmt, *args)
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                receiver._handle(self)
-
-        return Handler
-
-    def _handle(self, h: BaseHTTPRequestHandler) -> None:
+    def _handle(self, method: str, h: BaseHTTPRequestHandler) -> None:
         content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         try:
             length = int(h.headers.get("Content-Length", ""))
         except ValueError:
             length = -1
-        if h.path.split("?")[0] != "/v1/traces":
-            return self._reply(h, HTTPStatus.NOT_FOUND, "unknown path", content_type, close=True)
-        if not _authorized(self._token, h.headers.get("Authorization")):
-            return self._reply(h, HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token",
-                               content_type, close=True)
+        if method != "POST" or h.path.split("?")[0] != "/v1/traces":
+            return reply_error(h, HTTPStatus.NOT_FOUND, "unknown path", close=True)
+        if not authorized(self._token, h.headers.get("Authorization")):
+            return reply_error(h, HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token", close=True)
         if length < 0:
-            return self._reply(h, HTTPStatus.LENGTH_REQUIRED, "Content-Length required", content_type,
-                               close=True)
+            return reply_error(h, HTTPStatus.LENGTH_REQUIRED, "Content-Length required", close=True)
         if length > self._max_body:
-            return self._reply(h, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                               f"body over {self._max_body} bytes", content_type, close=True)
+            return reply_error(h, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {self._max_body} bytes",
+                               close=True)
         body = h.rfile.read(length)
         if content_type not in (PROTOBUF, JSON):
-            return self._reply(h, HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                               f"use {PROTOBUF} or {JSON}", content_type)
+            return reply_error(h, HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"use {PROTOBUF} or {JSON}")
         try:
             if content_type == JSON:  # kept as protobuf, like every other request
                 self._consume(SpanBatch.of(decode_json(body)))
             else:
                 self._consume(SpanBatch.decode(body))
         except PermanentError as exc:
-            return self._reply(h, HTTPStatus.BAD_REQUEST, str(exc), content_type)
+            return reply_error(h, HTTPStatus.BAD_REQUEST, str(exc))
         except RetryLater as exc:
-            return self._reply(h, HTTPStatus.SERVICE_UNAVAILABLE, f"try again: {exc}", content_type)
+            return reply_error(h, HTTPStatus.SERVICE_UNAVAILABLE, f"try again: {exc}")
         except Exception:
             logger.exception("kvtrace receiver: consumer failed")
-            return self._reply(h, HTTPStatus.SERVICE_UNAVAILABLE, "try again", content_type)
-        self._reply(h, HTTPStatus.OK, None, content_type)
-
-    @staticmethod
-    def _reply(h: BaseHTTPRequestHandler, status: HTTPStatus, message: str | None, content_type: str,
-               close: bool = False) -> None:
-        if status == HTTPStatus.OK:
-            payload_type = JSON if content_type == JSON else PROTOBUF
-            body = b"{}" if payload_type == JSON else trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-        else:  # OTLP/HTTP: failures carry a google.rpc.Status-like message
-            payload_type = JSON
-            body = json.dumps({"code": int(status), "message": message}).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", payload_type)
-        h.send_header("Content-Length", str(len(body)))
-        if close:  # the unread body would be taken for the next request
-            h.send_header("Connection", "close")
-            h.close_connection = True
-        h.end_headers()
-        h.wfile.write(body)
+            return reply_error(h, HTTPStatus.SERVICE_UNAVAILABLE, "try again")
+        if content_type == JSON:
+            return reply(h, HTTPStatus.OK, b"{}", JSON)
+        reply(h, HTTPStatus.OK, trace_service_pb2.ExportTraceServiceResponse().SerializeToString(), PROTOBUF)
 
 
 # --------------------------------------------------------------------------------------
@@ -216,7 +158,7 @@ class _TraceService:
 
     def export(self, raw: bytes, context: grpc.ServicerContext):
         metadata = dict(context.invocation_metadata())
-        if not _authorized(self._token, metadata.get("authorization")):
+        if not authorized(self._token, metadata.get("authorization")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         try:
             self._consume(SpanBatch.decode(raw))

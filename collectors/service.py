@@ -19,19 +19,23 @@ import time
 import zlib
 from typing import Any
 
-import kvtrace
+from kvtrace.telemetry.versions import installed_version
 
 from .assembler import Assembler
 from .attribution import Attributor, Breakdown
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
-from .model import DECODER, PermanentError, SpanBatch, SpanRow, decode
+from .model import DECODER, PermanentError, SpanBatch, SpanRow, decode, rebuild_request
+from .query_service import QueryService
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .store import Store
 from .wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
+
+
+HEALTH_INTERVAL_S = 5.0
 
 
 class Busy(RetryLater):
@@ -55,9 +59,12 @@ class Collector:
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.BoundedSemaphore(config.queue_requests)
         self._stop = threading.Event()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kvtrace-pipeline", daemon=True)
         self.receivers: list[Any] = []
+        self.query_service: QueryService | None = None
         self._replaying = False
+        self._next_health = 0.0
         self.metrics.watch(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -70,7 +77,8 @@ class Collector:
         if DECODER != "native":
             logger.warning("kvtrace collector: the native OTLP decoder is not built (no C compiler at install?); "
                            "decoding in Python, several times slower")
-        self.store.start(kvtrace.__version__, {k: v for k, v in vars(c).items() if k != "bearer_token"})
+        self.store.start(installed_version("kvtrace") or "unknown",
+                         {k: v for k, v in vars(c).items() if k != "bearer_token"})
         for upstream in self.upstreams:
             upstream.start()
         self._replay()
@@ -85,13 +93,23 @@ class Collector:
                                                    max_body_bytes=c.max_body_bytes, tls=self._tls()))
         for receiver in self.receivers:
             receiver.start()
+        if c.query_port is not None:
+            self.query_service = QueryService(self.store, self.status, self.trace_originals, host=c.host,
+                                              port=c.query_port, bearer_token=c.bearer_token, tls=self._tls())
+            self.query_service.start()
 
     def _tls(self) -> tuple[str, str] | None:
         return (self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
 
     def shutdown(self) -> None:
+        """Upstream first, each stage flushed; safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
         for receiver in self.receivers:
             receiver.shutdown()
+        if self.query_service is not None:
+            self.query_service.shutdown()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -132,6 +150,29 @@ class Collector:
                 self._slots.release()
             self.assembler.poll()  # cheap: it looks only at traces that are ready
             self._release_log()
+            self._record_health()
+
+    def _record_health(self) -> None:
+        """Every few seconds: the collector's counters into the store (the dashboard's Health page)."""
+        now = time.monotonic()
+        if now >= self._next_health:
+            self._next_health = now + HEALTH_INTERVAL_S
+            self.store.add_health(self.status())
+
+    def status(self) -> dict[str, float]:
+        """What the collector knows of itself now: counters, backlog and how far behind the store is."""
+        stats = self.assembler.stats
+        committed = self.store.committed_at
+        return {
+            **self.metrics.counts(),
+            "traces_decided": stats.traces_decided, "traces_late": stats.traces_late,
+            "traces_evicted": stats.traces_evicted, "duplicate_spans": stats.duplicate_spans,
+            "forwarded_spans": sum(u.stats.forwarded_spans for u in self.upstreams),
+            "forward_failures": sum(u.stats.failures for u in self.upstreams),
+            "forward_dropped": sum(u.stats.dropped for u in self.upstreams),
+            "pending_traces": self.assembler.pending(), "queued_requests": self._queue.qsize(),
+            "lag_ms": (time.time() - committed) * 1e3 if committed else 0.0,
+        }
 
     def _release_log(self) -> None:
         """Every 10 s: let the log drop applied segments beyond its archive size."""
@@ -204,44 +245,29 @@ class Collector:
         """Spans of this trace committed before the restart (decoded again from their originals
         in the log), so its breakdown is whole."""
         known = {s.span_id for s in spans}
+        for row in self._stored_rows(trace_id):
+            if row.span_id not in known:
+                known.add(row.span_id)
+                spans.append(row)
+        return spans
+
+    def _stored_rows(self, trace_id: str) -> list[SpanRow]:
+        """The trace's committed spans, decoded again from their originals in the log."""
         decoded: dict[tuple[int, int], list[SpanRow]] = {}
+        found = []
         for segment, offset, length, index in self.store.stored_originals(trace_id):
             if (segment, offset) not in decoded:
                 payload = self.wal.read(segment, offset, length)
                 if payload is None:
                     logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
-                                   "(--archive-gib); its breakdown uses the spans that remain", trace_id, segment)
+                                   "(--archive-gib); only the spans that remain are used", trace_id, segment)
                 decoded[segment, offset] = decode(payload)[0] if payload is not None else []
             rows = decoded[segment, offset]
-            row = rows[index] if index < len(rows) else None
-            if row is not None and row.span_id not in known:
-                known.add(row.span_id)
-                spans.append(row)
-        return spans
+            if index < len(rows):
+                found.append(rows[index])
+        return found
 
-
-def rebuild_request(spans: list[SpanRow]) -> bytes:
-    """One OTLP export request (protobuf bytes) holding the trace's spans exactly as received,
-    each under its original resource and scope."""
-    resources: dict[int, tuple[bytes, dict[int, tuple[bytes, list[bytes]]]]] = {}
-    for row in spans:
-        _, scopes = resources.setdefault(id(row.origin), (row.origin.resource, {}))
-        scopes.setdefault(id(row.scope), (row.scope, []))[1].append(row.raw)
-    return b"".join(
-        _field(1, _field(1, resource) + b"".join(_field(2, _field(1, scope) + b"".join(_field(2, raw) for raw in raws))
-                                                 for scope, raws in scopes.values()))
-        for resource, scopes in resources.values())
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (ResourceSpans.resource, ScopeSpans.spans, ...)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    def trace_originals(self, trace_id: str) -> bytes | None:
+        """One OTLP export request with the trace's stored spans as received; None if none are left."""
+        rows = list({row.span_id: row for row in self._stored_rows(trace_id)}.values())  # retried spans once
+        return rebuild_request(rows) if rows else None

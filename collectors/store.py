@@ -1,26 +1,11 @@
-"""The embedded store: a DuckDB file with raw spans, one row per request, its stages, and runs.
+"""The embedded store: a DuckDB file with raw spans, one row per request, rollups, and the
+collector's own health. The layout is :mod:`.schema`'s; readers go through :mod:`.reader`.
 
 Rows are buffered and appended in columnar (Arrow) batches on one writer thread, never row
-by row. Each commit also records how far the write-ahead log has been applied, in the same
-transaction, so a restart replays exactly what is not in the file yet.
-
-Tables:
-
-* ``spans`` — a view: every span as received, with the fields queries need as columns (its
-  attributes stay in the original; the request id is in ``requests``). A span a sender
-  retried can appear twice here; ``requests`` and ``stages`` are built from de-duplicated
-  traces. ``batch_id``/``batch_index`` point at the original. It joins the table
-  ``span_rows`` (per span) with ``origins`` (per sender: service, instance, role, mode).
-* ``batches`` — each export request: where its original bytes (OTLP protobuf, exactly as
-  received) are in the write-ahead log, which doubles as the archive of originals
-  (:mod:`.wal`).
-* ``requests`` — one row per trace: TTFT and its split into compute / queue / coordination /
-  wire / unattributed (ms), rendezvous order, bytes, NIXL times, instances, completeness.
-* ``stages`` — a view: per trace and stage (its earliest span), its times on the router's
-  clock, duration, category and the part of it on the critical path — computed from
-  ``spans`` and each request's ``clock_offsets`` and ``critical_ns`` rather than written
-  again row by row.
-* ``runs`` — one row per collector start, with its configuration.
+by row. Each commit also records how far the write-ahead log has been applied and bumps the
+data version (``store_state.flush_id``), in the same transaction as the rows and their
+rollups, so a restart replays exactly what is not in the file yet and a reader's cache knows
+when to look again.
 
 A file written by a kvtrace whose tables differ is refused at start with a clear error
 (``schema_version``), never half-written.
@@ -31,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -38,73 +24,17 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from .attribution import STAGE_CATEGORY, Breakdown
-from .model import SIDE_OF_ROLE, Origin, SpanBatch, SpanColumns
-
-SCHEMA_VERSION = 4  # bump when a table or view changes
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
-CREATE TABLE IF NOT EXISTS span_rows (
-    trace_id VARCHAR, span_id VARCHAR, parent_span_id VARCHAR, name VARCHAR, stage VARCHAR,
-    origin_id INTEGER, start_ns BIGINT, end_ns BIGINT, status TINYINT, batch_id BIGINT, batch_index INTEGER
-);
-CREATE TABLE IF NOT EXISTS origins (
-    origin_id INTEGER PRIMARY KEY, service VARCHAR, instance VARCHAR, role VARCHAR, mode VARCHAR
-);
-CREATE TABLE IF NOT EXISTS batches (
-    batch_id BIGINT, run_id VARCHAR, wal_segment INTEGER, wal_offset BIGINT, bytes INTEGER, spans INTEGER
-);
-CREATE TABLE IF NOT EXISTS requests (
-    trace_id VARCHAR PRIMARY KEY, request_id VARCHAR, mode VARCHAR, started_at TIMESTAMPTZ,
-    ttft_ms DOUBLE, compute_ms DOUBLE, queue_ms DOUBLE, coordination_ms DOUBLE, wire_ms DOUBLE,
-    unattributed_ms DOUBLE, prompt_tokens INTEGER, rendezvous_order VARCHAR, engine_loop_ms DOUBLE,
-    transfer_bytes BIGINT, transfer_post_us BIGINT, transfer_xfer_us BIGINT,
-    prefill_instance VARCHAR, decode_instance VARCHAR, complete BOOLEAN, missing VARCHAR,
-    error BOOLEAN, clock_offsets MAP(VARCHAR, BIGINT), critical_ns MAP(VARCHAR, BIGINT), updated_at TIMESTAMPTZ
-);
-CREATE TABLE IF NOT EXISTS runs (
-    run_id VARCHAR, started_at TIMESTAMPTZ, kvtrace_version VARCHAR, config VARCHAR
-);
-CREATE TABLE IF NOT EXISTS wal_state (id INTEGER PRIMARY KEY, segment INTEGER, "offset" BIGINT);
-"""
-
-
-def _case(column: str, mapping: dict[str, str], default: str) -> str:
-    whens = " ".join(f"WHEN '{key}' THEN '{value}'" for key, value in mapping.items())
-    return f"CASE {column} {whens} ELSE {default} END"
-
-
-# Each span with its sender's columns and its duration: written once per sender, not per span
-# (per span they cost ~0.9 µs of Arrow and DuckDB work, more than a tenth of the collector).
-SPANS_VIEW = """
-CREATE OR REPLACE VIEW spans AS
-SELECT s.trace_id, s.span_id, s.parent_span_id, s.name, s.stage, o.service, o.instance, o.role, o.mode,
-       s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6 AS duration_ms, s.status, s.batch_id, s.batch_index
-FROM span_rows s JOIN origins o USING (origin_id)
-"""
-
-# A span's side and a stage's category, as the attribution reads them (the contract's tables).
-_SIDE_SQL = _case("role", SIDE_OF_ROLE, "service")  # as Origin.of names a side
-_CATEGORY_SQL = _case("f.stage", STAGE_CATEGORY, "'coordination'")
-STAGES_VIEW = f"""
-CREATE OR REPLACE VIEW stages AS
-WITH firsts AS (
-    SELECT trace_id, {_SIDE_SQL} AS side, stage, arg_min(instance, start_ns) AS instance,
-           min(start_ns) AS start_ns, arg_min(end_ns, start_ns) AS end_ns
-    FROM spans GROUP BY ALL)
-SELECT f.trace_id, f.side, f.stage, {_CATEGORY_SQL} AS category,
-       f.start_ns + coalesce(r.clock_offsets[f.instance], 0) AS start_ns,
-       f.end_ns + coalesce(r.clock_offsets[f.instance], 0) AS end_ns,
-       (f.end_ns - f.start_ns) / 1e6 AS duration_ms,
-       coalesce(r.critical_ns[f.side || ':' || f.stage], 0) / 1e6 AS critical_ms
-FROM firsts f JOIN requests r USING (trace_id)
-"""
+from . import schema
+from .attribution import Breakdown
+from .model import Origin, SpanBatch, SpanColumns
 
 # Ids arrive as binary and are written as lower-case hex (a root's all-zero parent as ''):
 # DuckDB does it per vector, not Python per span.
 _INSERT_SPANS = """INSERT INTO span_rows SELECT lower(hex(trace_id)), lower(hex(span_id)),
     CASE WHEN parent_span_id = unhex('0000000000000000') THEN '' ELSE lower(hex(parent_span_id)) END,
     name, stage, origin_id, start_ns, end_ns, status, batch_id, batch_index FROM incoming"""
+_ADD_ROLLUPS = schema.rollup_statements("flush_id = ?", 1)
+_RETRACT_ROLLUPS = schema.rollup_statements("trace_id IN (SELECT unnest(?))", -1)
 
 
 _MAP = pa.map_(pa.string(), pa.int64())
@@ -119,7 +49,9 @@ class Store:
         self.path = path
         # One writer thread appends large batches: DuckDB's own thread pool only adds
         # hand-offs (it measured 2.6x slower inserts on a collector pinned to one core).
-        self._con = duckdb.connect(path, config={"threads": 1})
+        # No file access from SQL: readers of a running collector send queries here
+        # (.query_service), and those must see the store's tables and nothing else.
+        self._con = duckdb.connect(path, config={"threads": 1, "enable_external_access": False})
         try:
             self._create_schema()
         except Exception:
@@ -131,21 +63,27 @@ class Store:
         # need, so a batch's rows and original are freed once the assembler is done with them
         self._batches: list[tuple[int, SpanColumns, int, tuple | None]] = []
         self._rows = 0
-        # Batch ids count on from the file's last; each sender (service, instance, role, mode)
-        # is a row of ``origins``, its id given on first sight and kept across runs.
+        # Batch ids count on from the file's last; each sender (service, instance, role, mode,
+        # run) is a row of ``origins``, its id given on first sight and kept across runs.
         self._batch_ids = itertools.count(self._con.execute("SELECT coalesce(max(batch_id), 0) + 1 FROM batches")
                                           .fetchone()[0])
-        self._origin_ids: dict[tuple[str, str, str, str], int] = {
+        self._origin_ids: dict[tuple[str, ...], int] = {
             tuple(row[1:]): row[0] for row in self._con.execute("SELECT * FROM origins").fetchall()}
         self._breakdowns: dict[str, tuple[Breakdown, bool]] = {}  # trace id -> (breakdown, replaces)
+        self._health: list[tuple] = []
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
+        self.committed_at = 0.0  # wall time of this process's last commit
+        state = self._con.execute("SELECT flush_id FROM store_state WHERE id = 0").fetchone()
+        self.data_version = int(state[0]) if state else 0
+        """Commits so far, in this file's life: a reader re-reads when it changes."""
         self._flush_interval = flush_interval_s
         self._flush_rows = flush_rows
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.run_id = uuid.uuid4().hex[:12]
+        """This collector start's id (``collector_runs``)."""
 
     def _create_schema(self) -> None:
         """Create the tables in a new file; refuse, before writing anything, a file from another schema."""
@@ -155,25 +93,27 @@ class Store:
         if tables:
             found = con.execute("SELECT max(version) FROM schema_version").fetchone()[0] \
                 if "schema_version" in tables else None
-            if found != SCHEMA_VERSION:
+            if found != schema.SCHEMA_VERSION:
                 raise SchemaMismatch(f"--db {self.path}: written by a kvtrace with store schema {found or 1}, "
-                                     f"this one uses {SCHEMA_VERSION}; use a new file")
-        con.execute(SCHEMA)
-        con.execute(SPANS_VIEW)
-        con.execute(STAGES_VIEW)
+                                     f"this one uses {schema.SCHEMA_VERSION}; use a new file")
+        con.execute(schema.TABLES)
+        con.execute(schema.VIEWS)
         if not tables:
-            con.execute("INSERT INTO schema_version VALUES (?)", [SCHEMA_VERSION])
+            con.execute("INSERT INTO schema_version VALUES (?)", [schema.SCHEMA_VERSION])
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, version: str, config: dict[str, Any]) -> None:
         with self._db_lock:
-            self._con.execute("INSERT INTO runs VALUES (?, ?, ?, ?)",
+            self._con.execute("INSERT INTO collector_runs VALUES (?, ?, ?, ?)",
                               [self.run_id, datetime.now(timezone.utc), version, json.dumps(config, default=str)])
         self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Flush and close; safe to call twice."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -185,8 +125,8 @@ class Store:
 
     def wal_position(self) -> tuple[int, int]:
         with self._db_lock:
-            row = self._con.execute('SELECT segment, "offset" FROM wal_state WHERE id = 0').fetchone()
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+            row = self._con.execute("SELECT wal_segment, wal_offset FROM store_state WHERE id = 0").fetchone()
+        return (int(row[0]), int(row[1])) if row and row[0] is not None else (0, 0)
 
     # ------------------------------------------------------------------ writes
 
@@ -210,6 +150,12 @@ class Store:
             earlier = self._breakdowns.get(breakdown.trace_id)
             self._breakdowns[breakdown.trace_id] = (breakdown, replaces or (earlier is not None and earlier[1]))
 
+    def add_health(self, counters: dict[str, float]) -> None:
+        """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
+        row = (self.run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
+        with self._lock:
+            self._health.append(row)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self._flush_interval)
@@ -220,19 +166,21 @@ class Store:
         with self._lock:
             batches, self._batches, self._rows = self._batches, [], 0
             decided, self._breakdowns = list(self._breakdowns.values()), {}
+            health, self._health = self._health, []
             position = self._position
-        if not batches and not decided and position is None:
+        if not batches and not decided and not health and position is None:
             return
         with self._db_lock:  # the origin registry is the writer's too
+            flush_id = self.data_version + 1
             tables = {}  # built once, outside the transaction (and its retry)
-            new_origins: dict[tuple[str, str, str, str], int] = {}
+            new_origins: dict[tuple[str, ...], int] = {}
             if batches:
                 origin_ids = [[self._origin_id(o, new_origins) for o in columns.origins]
                               for _, columns, _, _ in batches]
                 tables["spans"] = _span_table(batches, origin_ids)
                 tables["batches"] = pa.table({
                     "batch_id": pa.array([batch_id for batch_id, _, _, _ in batches], pa.int64()),
-                    "run_id": [self.run_id] * len(batches),
+                    "collector_run_id": [self.run_id] * len(batches),
                     "wal_segment": pa.array([p[0] if p else None for _, _, _, p in batches], pa.int32()),
                     "wal_offset": pa.array([p[1] if p else None for _, _, _, p in batches], pa.int64()),
                     "bytes": pa.array([size for _, _, size, _ in batches], pa.int32()),
@@ -242,50 +190,69 @@ class Store:
                     "origin_id": pa.array(list(new_origins.values()), pa.int32()),
                     **{column: [key[i] for key in new_origins] for i, column in enumerate(_ORIGIN_COLUMNS)}})
             if decided:
-                tables["requests"] = _request_table([b for b, _ in decided])
+                tables["requests"] = _request_table([b for b, _ in decided], flush_id)
+            if health:
+                tables["collector_health"] = pa.table(list(zip(*health)),
+                                                      names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
             replaced = [b.trace_id for b, replaces in decided if replaces]
             try:
-                self._commit(tables, replaced, position, on_conflict="")
+                self._commit(tables, replaced, position, flush_id, on_conflict="")
             except duckdb.ConstraintException:
                 # A trace decided again after the assembler had forgotten it (a span far too
                 # late): keep the stored row. Rare, so first decisions are a plain insert
                 # (INSERT OR IGNORE costs ~4 µs more per row, OR REPLACE 5-35 µs).
-                self._commit(tables, replaced, position, on_conflict="OR IGNORE")
+                self._commit(tables, replaced, position, flush_id, on_conflict="OR IGNORE")
             self._origin_ids.update(new_origins)
+            self.data_version = flush_id
+            self.committed_at = time.time()
         if position is not None:
             self.committed_position = position
 
-    def _origin_id(self, origin: Origin, new: dict[tuple[str, str, str, str], int]) -> int:
+    def _origin_id(self, origin: Origin, new: dict[tuple[str, ...], int]) -> int:
         """The sender's id in ``origins``; one seen for the first time gets the next id, in
         ``new`` until the flush that writes it commits."""
-        key = (origin.service, origin.instance, origin.role, origin.mode)
+        key = (origin.service, origin.instance, origin.role, origin.mode, origin.run_id)
         found = self._origin_ids.get(key, new.get(key))
         if found is None:
             found = new[key] = len(self._origin_ids) + len(new) + 1
         return found
 
     def _commit(self, tables: dict[str, pa.Table], replaced: list[str], position: tuple[int, int] | None,
-                on_conflict: str) -> None:
+                flush_id: int, on_conflict: str) -> None:
         """One transaction: spans, batches, new origins, requests (the ``replaced`` traces' rows
-        deleted first) and how far the write-ahead log is applied."""
+        retracted from the rollups and deleted first), the new requests' rollups, health, and
+        how far the write-ahead log is applied."""
         con = self._con
         con.execute("BEGIN")
         try:
             if replaced:
+                for statement in _RETRACT_ROLLUPS:
+                    con.execute(statement, [replaced])
                 con.execute("DELETE FROM requests WHERE trace_id IN (SELECT unnest(?))", [replaced])
             for name, table in tables.items():
                 con.register("incoming", table)
                 con.execute(_INSERT_SPANS if name == "spans" else
                             f"INSERT {on_conflict if name == 'requests' else ''} INTO {name} SELECT * FROM incoming")
                 con.unregister("incoming")
-            if position is not None:
-                con.execute('INSERT OR REPLACE INTO wal_state VALUES (0, ?, ?)', list(position))
+            if "requests" in tables:
+                for statement in _ADD_ROLLUPS:  # only rows this commit wrote carry its flush id
+                    con.execute(statement, [flush_id])
+            wal = list(position) if position is not None else [None, None]
+            con.execute("INSERT INTO store_state VALUES (0, ?, ?, ?, now()) ON CONFLICT DO UPDATE SET "
+                        "wal_segment = coalesce(excluded.wal_segment, store_state.wal_segment), "
+                        "wal_offset = coalesce(excluded.wal_offset, store_state.wal_offset), "
+                        "flush_id = excluded.flush_id, committed_at = excluded.committed_at", [*wal, flush_id])
             con.execute("COMMIT")
         except Exception:
             con.execute("ROLLBACK")
             raise
 
     # ------------------------------------------------------------------ reads
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A connection of its own to this store, for one reader thread (DuckDB isolates it from
+        the writer: it sees committed data only)."""
+        return self._con.cursor()
 
     def query(self, sql: str, params: list | None = None) -> list[tuple]:
         with self._db_lock:
@@ -298,37 +265,60 @@ class Store:
                           "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
                           "ORDER BY 1, 2, 4", [trace_id])
 
-def _request_table(breakdowns: list[Breakdown]) -> pa.Table:
+
+def _request_table(breakdowns: list[Breakdown], flush_id: int) -> pa.Table:
     """One row per trace with its breakdown: the ``requests`` table's columns, in order."""
     now = datetime.now(timezone.utc)
     ms = 1e6
+    sides, names, categories, starts, ends, critical = [], [], [], [], [], []
+    for b in breakdowns:  # each stage of the breakdown, as parallel lists
+        keys, timings, on_path = list(b.timings), list(b.timings.values()), b.critical_ns
+        sides.append([key[0] for key in keys])
+        names.append([key[1] for key in keys])
+        starts.append([t[0] for t in timings])
+        ends.append([t[1] for t in timings])
+        categories.append([t[2] for t in timings])
+        critical.append([on_path.get(key, 0) for key in keys])
     return pa.table({
         "trace_id": [b.trace_id for b in breakdowns],
         "request_id": [b.request_id for b in breakdowns],
+        "run_id": [b.run_id for b in breakdowns],
         "mode": [b.mode for b in breakdowns],
         "started_at": pa.array([b.start_ns // 1000 for b in breakdowns], pa.timestamp("us", tz="UTC")),
         "ttft_ms": [b.ttft_ns / ms for b in breakdowns],
-        **{f"{c}_ms": [b.parts.get(c, 0) / ms for b in breakdowns]
-           for c in ("compute", "queue", "coordination", "wire", "unattributed")},
-        "prompt_tokens": [b.prompt_tokens for b in breakdowns],
+        **{column: [b.parts.get(part, 0) / ms for b in breakdowns]
+           for part, column in zip(schema.PARTS, schema.PART_COLUMNS)},
+        "e2e_ms": pa.array([b.e2e_ns / ms if b.e2e_ns else None for b in breakdowns], pa.float64()),
+        "tpot_ms": pa.array([(b.tpot_ns / ms) or None for b in breakdowns], pa.float64()),
+        "output_tokens": pa.array([b.output_tokens for b in breakdowns], pa.int32()),
+        "prompt_tokens": pa.array([b.prompt_tokens for b in breakdowns], pa.int32()),
         "rendezvous_order": [b.rendezvous_order for b in breakdowns],
         "engine_loop_ms": [b.engine_loop_ns / ms for b in breakdowns],
-        "transfer_bytes": [b.transfer_bytes for b in breakdowns],
-        "transfer_post_us": [b.transfer_post_us for b in breakdowns],
-        "transfer_xfer_us": [b.transfer_xfer_us for b in breakdowns],
+        "transfer_bytes": pa.array([b.transfer_bytes for b in breakdowns], pa.int64()),
+        "transfer_descriptors": pa.array([b.transfer_descriptors for b in breakdowns], pa.int64()),
+        "transfer_post_us": pa.array([b.transfer_post_us for b in breakdowns], pa.int64()),
+        "transfer_xfer_us": pa.array([b.transfer_xfer_us for b in breakdowns], pa.int64()),
+        "block_count": pa.array([b.block_count for b in breakdowns], pa.int32()),
+        "kv_hold_ms": [b.kv_hold_ns / ms for b in breakdowns],
         "prefill_instance": [b.prefill_instance for b in breakdowns],
         "decode_instance": [b.decode_instance for b in breakdowns],
         "complete": [b.complete for b in breakdowns],
         "missing": [",".join(b.missing) for b in breakdowns],
         "error": [b.error for b in breakdowns],
         "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
-        "critical_ns": pa.array([[(f"{side}:{stage}", ns) for (side, stage), ns in b.critical_ns.items()]
-                                 for b in breakdowns], _MAP),
+        "stage_sides": sides,
+        "stage_names": names,
+        "stage_categories": categories,
+        "stage_start_ns": pa.array(starts, _NS_LIST),
+        "stage_end_ns": pa.array(ends, _NS_LIST),
+        "stage_critical_ns": pa.array(critical, _NS_LIST),
+        "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
     })
 
 
-_ORIGIN_COLUMNS = ("service", "instance", "role", "mode")
+_ORIGIN_COLUMNS = ("service", "instance", "role", "mode", "run_id")
+_NS_LIST = pa.list_(pa.int64())
 
 
 def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: list[list[int]]) -> pa.Table:

@@ -83,12 +83,7 @@ class WriteAheadLog:
 
     def read(self, segment: int, end: int, length: int) -> bytes | None:
         """The record of ``length`` bytes ending at ``(segment, end)``; None once deleted (or damaged)."""
-        try:
-            with open(self.directory / _segment_name(segment), "rb") as handle:
-                handle.seek(end - length - _HEADER.size)
-                return _read_record(handle)
-        except (OSError, ValueError):  # the segment is gone, or the pointer is past its end
-            return None
+        return read_record(self.directory, segment, end, length)
 
     def release(self, applied: tuple[int, int]) -> int:
         """Everything up to ``applied`` is in the store: delete the oldest segments before it
@@ -119,6 +114,16 @@ class WriteAheadLog:
         if good != path.stat().st_size:
             with open(path, "r+b") as handle:
                 handle.truncate(good)
+
+
+def read_record(directory: str | os.PathLike, segment: int, end: int, length: int) -> bytes | None:
+    """One archived record, read without opening the log (a reader beside a stopped collector)."""
+    try:
+        with open(Path(directory) / _segment_name(segment), "rb") as handle:
+            handle.seek(end - length - _HEADER.size)
+            return _read_record(handle)
+    except (OSError, ValueError):  # the segment is gone, or the pointer is past its end
+        return None
 
 
 def _read_record(handle) -> bytes | None:

@@ -38,7 +38,7 @@ def _read_on(key: str, prefix: str) -> str:
     if key == semconv.ATTR_STAGE:
         return "spans outside the stage table"
     if prefix == "RES_" and key in (semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                                    semconv.RES_MODE):
+                                    semconv.RES_MODE, semconv.RES_RUN_ID):
         return "every resource"
     return ""
 
@@ -56,7 +56,7 @@ def render() -> str:
     ]
     for stage in semconv.STAGE_ORDER:
         spec = semconv.STAGES[stage]
-        sides = ", ".join(s.value for s in spec.sides)
+        sides = ", ".join(f"{s.value} ({semconv.RECORDED_ON[(s, stage)]})" for s in spec.sides)
         lines.append(f"| {stage.value} | `{stage.name.lower()}` | `{spec.span_name}` | "
                      f"{spec.category.value} | {sides} | {spec.start} | {spec.end} |")
     lines += ["", "## Categories", "", "| category | meaning |", "|---|---|"]

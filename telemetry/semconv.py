@@ -44,6 +44,10 @@ CATEGORY_MEANINGS: Final[dict[Category, str]] = {
     Category.UNATTRIBUTED: "Router or network time that no span covers (assigned by the collector).",
 }
 
+BREAKDOWN_CATEGORIES: Final[tuple[Category, ...]] = (
+    Category.COMPUTE, Category.QUEUE, Category.COORDINATION, Category.WIRE, Category.UNATTRIBUTED)
+"""The parts one request's TTFT is split into, in the order every table, chart and metric shows them."""
+
 
 class Mode(str, enum.Enum):
     """How the KV cache crosses from P to D."""
@@ -206,6 +210,20 @@ STAGE_OF_SPAN: Final[dict[tuple[Side, str], Stage]] = {
 queue): what a reader of the trace gets without reading ``kvtrace.stage``."""
 
 STAGE_LABELS: Final[dict[Stage, str]] = {stage: stage.name.lower() for stage in Stage}
+
+_ENGINE, _WRITER, _ROUTER_LOOP = "engine loop", "writer thread", "event loop"
+RECORDED_ON: Final[dict[tuple[Side, Stage], str]] = {
+    (_R, Stage.PD_REQUEST): _ROUTER_LOOP, (_R, Stage.PD_ROUTE): _ROUTER_LOOP, (_R, Stage.REGISTRATION): _ROUTER_LOOP,
+    (_P, Stage.P_QUEUE): _ENGINE, (_P, Stage.PREFILL): _ENGINE, (_P, Stage.COMPLETION): _ENGINE,
+    (_P, Stage.REGISTRATION): _WRITER, (_P, Stage.RENDEZVOUS): _WRITER, (_P, Stage.HANDSHAKE): _WRITER,
+    (_P, Stage.DESCRIPTOR_PREP): _WRITER, (_P, Stage.WRITE): _WRITER,
+    (_D, Stage.ALLOCATION): _ENGINE, (_D, Stage.COMPLETION): _ENGINE, (_D, Stage.D_QUEUE): _ENGINE,
+    (_D, Stage.FIRST_TOKEN): _ENGINE, (_D, Stage.DESCRIPTOR_PREP): _ENGINE, (_D, Stage.READ): _ENGINE,
+    (_D, Stage.HANDSHAKE): _ENGINE, (_D, Stage.REGISTRATION): _WRITER,
+}
+"""The thread of its process each stage is timed on (push: P's ``nixl-push-writer`` and D's
+registration sender; pull: D's engine loop posts the READ). A waterfall draws one lane per
+(side, thread)."""
 """The value of ``kvtrace.stage`` (and the ``stage`` label of metrics) for each stage."""
 
 # --------------------------------------------------------------------------------------
@@ -273,10 +291,18 @@ ATTR_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 ATTR_ROUTER_TTFT_NS: Final = "kvtrace.router.ttft_ns"
 """Time to first token as the router saw it, in ns from ``pd.request``'s start (on the root)."""
 
+ATTR_ROUTER_LAST_TOKEN_NS: Final = "kvtrace.router.last_token_ns"
+"""When the router saw the last token, in ns from ``pd.request``'s start (on the root); with
+``gen_ai.usage.output_tokens`` it gives the request's time per output token."""
+
 DETAIL_ATTRIBUTES: Final[dict[str, tuple[Stage, ...]]] = {
     ATTR_ROUTER_TTFT_NS: (Stage.PD_REQUEST,),
+    ATTR_ROUTER_LAST_TOKEN_NS: (Stage.PD_REQUEST,),
+    ATTR_OUTPUT_TOKENS: (Stage.PD_REQUEST,),
+    ATTR_BLOCK_COUNT: (Stage.ALLOCATION,),
     ATTR_RENDEZVOUS_ORDER: (Stage.RENDEZVOUS,),
     ATTR_TRANSFER_BYTES: (Stage.WRITE, Stage.READ),
+    ATTR_TRANSFER_DESCRIPTORS: (Stage.WRITE, Stage.READ),
     ATTR_TRANSFER_POST_US: (Stage.WRITE, Stage.READ),
     ATTR_TRANSFER_XFER_US: (Stage.WRITE, Stage.READ),
     ATTR_ENGINE_LOOP_NS: (Stage.COMPLETION,),
@@ -324,6 +350,10 @@ RES_NIXL_VERSION: Final = "nixl.version"
 
 RES_ENGINE_ID: Final = "kvtrace.engine_id"
 """This engine's NIXL engine id (the same key as the span attribute)."""
+
+RES_RUN_ID: Final = "kvtrace.run.id"
+"""The experiment run the process serves (one configuration of the pair); set it with
+``OTEL_RESOURCE_ATTRIBUTES=kvtrace.run.id=...``. The collector groups breakdowns by it."""
 
 DEFAULT_SERVICE_NAMES: Final[dict[Role, str]] = {
     Role.PRODUCER: "vllm-prefill",

@@ -27,10 +27,34 @@ def test_version_reports_each_component(capsys):
     assert "not installed" not in out.splitlines()[3]  # the SDK is a core dependency
 
 
-@pytest.mark.parametrize("name", ["dashboard"])
-def test_unbuilt_commands_say_so_and_fail(name, capsys):
-    assert cli.main([name]) == 2
-    assert "not yet available" in capsys.readouterr().err
+@pytest.mark.parametrize("name", ["dashboard", "query"])
+def test_store_commands_need_a_store(name, capsys):
+    args = [name] if name == "dashboard" else [name, "SELECT 1"]
+    assert cli.main(args) == 2
+    assert "give --db PATH" in capsys.readouterr().err
+
+
+def test_query_prints_and_writes_a_stopped_store(tmp_path, capsys):
+    from kvtrace.collectors.config import CollectorConfig
+    from kvtrace.collectors.model import SpanBatch
+    from kvtrace.collectors.service import Collector
+    from tests.collectors.traces import build
+
+    db = str(tmp_path / "k.duckdb")
+    collector = Collector(CollectorConfig(db_path=db, grpc_port=None, http_port=0, decision_wait_s=0.0))
+    collector.start()
+    for request in build("push").requests:
+        collector.consume(SpanBatch.of(request))
+    collector.shutdown()
+    assert cli.main(["query", "--db", db, "SELECT mode, round(ttft_ms) AS ttft FROM requests"]) == 0
+    assert capsys.readouterr().out.split() == ["mode", "ttft", "push", "169.0"]
+    out = tmp_path / "requests.parquet"
+    assert cli.main(["query", "--db", db, "SELECT * FROM requests", "--out", str(out)]) == 0
+    import duckdb
+
+    assert duckdb.sql(f"SELECT count(*) FROM '{out}'").fetchall() == [(1,)]  # a user's own DuckDB reads it
+    assert cli.main(["query", "--db", db, "DROP TABLE requests"]) == 2
+    assert "SELECT" in capsys.readouterr().err
 
 
 def test_unknown_command_is_a_usage_error():

@@ -1,0 +1,204 @@
+"""The store's read side: the reader's answers on stores the collector builds from contract traces,
+read through a running collector's query endpoint and from the stopped file alike."""
+
+import json
+import statistics
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta
+
+import duckdb
+import pytest
+
+from kvtrace.collectors import schema
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.query_service import endpoint_file
+from kvtrace.collectors.reader import (
+    PART_COLUMNS, Filters, QueryRefused, StoreUnavailable, histogram_quantiles, open_store,
+)
+from tests.collectors.traces import MS, build
+from tests.helpers import wait_until
+
+
+def _feed(collector, builts):
+    for built in builts:
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+    assert wait_until(lambda: collector.store.flush() or
+                      collector.store.query("SELECT count(*) FROM requests")[0][0] == len(builts))
+
+
+@pytest.fixture
+def mixed():
+    """Push (registration and kv first), pull, a failed READ and a trace missing D's completion."""
+    return ([build("push") for _ in range(4)] + [build("push", "kv_first")] + [build("pull") for _ in range(3)]
+            + [build("pull", fail="read"), build("push", drop={"decode:completion"})])
+
+
+def test_live_and_stopped_reads_give_the_same_answers(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    reader = open_store(collector.config.db_path)
+    live = {name: getattr(reader, name)(Filters()) for name in ("kpis", "cohorts", "stage_table")}
+    assert reader.source.kind == "collector"  # the collector holds the file: reads go through it
+    collector.shutdown()
+    assert not endpoint_file(collector.config.db_path).exists()  # its advertisement went with it
+    stopped = {name: getattr(reader, name)(Filters()) for name in ("kpis", "cohorts", "stage_table")}
+    assert reader.source.kind == "file"
+    assert stopped == live
+
+
+def test_kpis_and_parts_equal_the_raw_rows(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    reader = open_store(collector.config.db_path)
+    k = reader.kpis(Filters())
+    assert (k["requests"], k["incomplete"], k["failed"]) == (10, 1, 1)
+    raw = reader.sql("SELECT ttft_ms, coordination_ms FROM requests WHERE complete").to_pylist()
+    exact = statistics.median(r["ttft_ms"] for r in raw)
+    assert k["ttft_p50_ms"] == pytest.approx(exact, rel=2 ** (1 / schema.HIST_PER_OCTAVE) - 1)
+    assert k["coordination_share"] == pytest.approx(sum(r["coordination_ms"] for r in raw) /
+                                                    sum(r["ttft_ms"] for r in raw))
+    by_mode = {r["mode"]: r for r in reader.parts_by_mode(Filters()).to_pylist()}
+    for row in by_mode.values():
+        assert sum(row[c] for c in PART_COLUMNS) == pytest.approx(row["ttft_ms"])  # the parts add up
+    assert by_mode["pull"]["requests"] == 4 and by_mode["push"]["requests"] == 5  # complete ones
+    # every pull trace has the same timings, so the mean is each one's exact part
+    assert by_mode["pull"]["compute_ms"] == pytest.approx(mixed[5].expected["compute"] / MS)
+
+
+def test_cohorts_show_the_tail_cause(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    cohorts = {(r["mode"], r["cohort"]): r for r in open_store(collector.config.db_path).cohorts(Filters())}
+    # One push request in five waited for D's registration (kv_first): it is the slowest, and
+    # its extra time is coordination; the median push request's is compute.
+    tail, median = cohorts[("push", "p99")], cohorts[("push", "p50")]
+    assert tail["requests"] == 1 and tail["coordination_ms"] > tail["compute_ms"]
+    assert median["compute_ms"] > median["coordination_ms"]
+
+
+def test_stage_table_shares_and_critical_parts(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    reader = open_store(collector.config.db_path)
+    rows = {(r["mode"], r["side"], r["stage"]): r for r in reader.stage_table(Filters(modes=("push",)))}
+    prefill = rows[("push", "prefill", "prefill")]
+    assert prefill["p50_ms"] == pytest.approx(144, rel=0.05)
+    assert prefill["on_path"] == pytest.approx(4 / 5)  # kv_first took the path through D's registration
+    # Every complete request's TTFT is its stages' critical parts plus the unattributed time.
+    parts = reader.parts_by_mode(Filters(modes=("push",))).to_pylist()[0]
+    critical = sum(r["critical_per_request_ms"] for r in rows.values())
+    assert critical + parts["unattributed_ms"] == pytest.approx(parts["ttft_ms"])
+    assert all(r["mode"] == "push" for r in rows.values())
+
+
+def test_filters_narrow_every_question(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    reader = open_store(collector.config.db_path)
+    options = reader.filter_options()
+    assert options["modes"] == ["pull", "push"] and options["length_buckets"] == [10]  # 2000 tokens
+    assert reader.kpis(Filters(modes=("pull",)))["requests"] == 4
+    assert reader.kpis(Filters(since=options["last"]))["requests"] == 0
+    assert reader.kpis(Filters(since=options["first"], until=options["last"]))["requests"] == 10
+    assert reader.kpis(Filters(min_length_bucket=11))["requests"] == 0
+    assert reader.kpis(Filters(instances=("prefill-0",)))["requests"] == 10
+    sample = reader.requests_sample(Filters(modes=("push",)), sample=3, top=2).to_pylist()
+    assert len([r for r in sample if not r["top"]]) == 3 and len([r for r in sample if r["top"]]) == 2
+    assert all(r["mode"] == "push" for r in sample)
+
+
+def test_one_trace_and_its_original_spans(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed)
+    reader = open_store(collector.config.db_path)
+    built = mixed[0]
+    found = reader.trace(built.trace_id)
+    assert found["request"]["ttft_ms"] == pytest.approx(built.ttft_ns / MS)
+    assert [s["start_ms"] for s in found["stages"]] == sorted(s["start_ms"] for s in found["stages"])
+    assert sum(s["critical_ms"] for s in found["stages"]) + found["request"]["unattributed_ms"] == \
+        pytest.approx(found["request"]["ttft_ms"])
+    live = reader.trace_spans(built.trace_id)
+    collector.shutdown()
+    assert reader.trace_spans(built.trace_id) == live  # from the write-ahead log beside the file
+    assert {s["attributes"]["kvtrace.stage"] for s in live} >= {"pd_request", "prefill", "write", "first_token"}
+    assert reader.trace("0" * 32) is None and reader.trace("not hex") is None
+
+
+def test_late_spans_retract_and_re_add_the_rollups(make_collector):
+    collector = make_collector()
+    built = build("push", drop={"decode:completion"})
+    late = build("push")  # the same shape: take its decode completion as the late span
+    _feed(collector, [built])
+    reader = open_store(collector.config.db_path)
+    assert reader.kpis(Filters())["incomplete"] == 1
+    # Re-send every span of the complete trace under the first trace's id: the late ones re-decide it.
+    for request in late.requests:
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    span.trace_id = bytes.fromhex(built.trace_id)
+        collector.consume(SpanBatch.of(request))
+    assert wait_until(lambda: collector.store.flush() or reader.kpis(Filters())["incomplete"] == 0)
+    k = reader.kpis(Filters())
+    assert k["requests"] == 1
+    counts = reader.sql("SELECT sum(requests) AS n FROM request_rollup").to_pylist()[0]["n"]
+    stage_counts = reader.sql("SELECT side, stage, sum(spans) AS n FROM stage_rollup GROUP BY 1, 2").to_pylist()
+    assert counts == 1 and all(r["n"] == 1 for r in stage_counts), stage_counts
+
+
+def test_the_query_endpoint_answers_selects_only(make_collector, mixed):
+    collector = make_collector()
+    _feed(collector, mixed[:2])
+    reader = open_store(collector.config.db_path)
+    assert reader.sql("SELECT count(*) AS n FROM requests").to_pylist() == [{"n": 2}]
+    for bad in ("DELETE FROM requests", "SELECT 1; SELECT 2", "CREATE TABLE x AS SELECT 1",
+                "SELECT * FROM read_csv('/etc/passwd')", "ATTACH '/tmp/x.duckdb'", "SELEC 1"):
+        with pytest.raises(QueryRefused):
+            reader.sql(bad)
+    assert reader.sql("SELECT count(*) AS n FROM requests").to_pylist() == [{"n": 2}]  # nothing changed
+
+
+def test_the_query_endpoint_takes_the_receivers_token(make_collector, mixed):
+    collector = make_collector(bearer_token="s3cret")
+    _feed(collector, mixed[:1])
+    url = collector.query_service.url
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url + "/v1/status", timeout=5)
+    assert refused.value.code == 401
+    with pytest.raises(StoreUnavailable, match="token"):
+        open_store(collector=url).status()
+    assert open_store(collector=url, token="s3cret").kpis(Filters())["requests"] == 1
+    advert = json.loads(endpoint_file(collector.config.db_path).read_text())
+    assert advert["url"] == url and advert["token"] is True  # says a token is needed, never which
+
+
+def test_a_store_from_another_schema_is_named_not_read(tmp_path):
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_version (version INTEGER); INSERT INTO schema_version VALUES (4)")
+    con.close()
+    with pytest.raises(StoreUnavailable, match="schema 4"):
+        open_store(path).kpis(Filters())
+    with pytest.raises(StoreUnavailable, match="no such store"):
+        open_store(tmp_path / "missing.duckdb").kpis(Filters())
+
+
+def test_histogram_quantiles_interpolate_inside_a_bucket():
+    values = [1.0 + i * 0.01 for i in range(1000)]  # 1 to 11 ms, uniform
+    buckets: dict[int, int] = {}
+    for v in values:
+        b = schema.bucket_of(v)
+        buckets[b] = buckets.get(b, 0) + 1
+    p50, p99 = histogram_quantiles(buckets.items(), (0.5, 0.99))
+    half_bucket = (2 ** (1 / schema.HIST_PER_OCTAVE) - 1) / 2  # the ±4 % the pages state
+    assert p50 == pytest.approx(statistics.median(values), rel=half_bucket)
+    assert p99 == pytest.approx(sorted(values)[989], rel=half_bucket)
+    assert histogram_quantiles([], (0.5,)) == [None]
+
+
+def test_relative_windows_floor_to_the_minute():
+    f = Filters(since=datetime(2026, 1, 1, 10, 30, 45))
+    assert f.since.second == 0 and f.since.tzinfo is not None
+    assert Filters(since=f.since - timedelta(minutes=1)).since.minute == 29
