@@ -90,7 +90,7 @@ class SchedulerTracing:
         params = request.kv_transfer_params or {}
         return bool(params.get("do_remote_prefill")) and not self._producer
 
-    def after_alloc(self, request: Any, num_external_tokens: int, first_remote: bool,
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, first_remote: bool,
                     pending_registrations: dict | None) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
@@ -103,7 +103,8 @@ class SchedulerTracing:
             return
         if not first_remote:
             return
-        attrs = {**state.attrs, semconv.ATTR_INPUT_TOKENS: request.num_prompt_tokens}
+        attrs = {**state.attrs, semconv.ATTR_INPUT_TOKENS: request.num_prompt_tokens,
+                 semconv.ATTR_BLOCK_COUNT: sum(map(len, blocks.blocks))}  # every KV-cache group's
         self._rec.record(state.ref, Stage.ALLOCATION, state.admitted_ns, now, attrs)
         if num_external_tokens <= 0:  # full local prefix hit: nothing to transfer
             state.kv_ready_ns = now

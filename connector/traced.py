@@ -92,7 +92,7 @@ class _Traced:
         first_remote = self.kvtrace_guard.run(kv.before_alloc, request, num_external_tokens)
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
         pending = getattr(self.connector_scheduler, "_push_pending_registrations", None)
-        self.kvtrace_guard.run(kv.after_alloc, request, num_external_tokens, bool(first_remote), pending)
+        self.kvtrace_guard.run(kv.after_alloc, request, blocks, num_external_tokens, bool(first_remote), pending)
         self.kvtrace_guard.run(kv.add_loop_time, _now() - t0, request.request_id)
         return result
 

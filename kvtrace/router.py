@@ -130,6 +130,7 @@ class Router:
         response: web.StreamResponse | None = None
         status = 200
         first_token_ns = 0
+        decoded = DecodeProgress()
         try:
             self._rec.record(trace, Stage.PD_ROUTE, t_in, self._rec.now(), attrs)
             prefill_body = self._prefill_body(body, trace)
@@ -140,12 +141,12 @@ class Router:
                 t_relay = self._rec.now()
                 p_params = {**p_params, PARAM_TRACEPARENT: trace.traceparent}
                 sent: dict[str, int] = {}
-                stream = self._decode(path, body, p_params, headers, sent)
+                stream = self._decode(path, body, p_params, headers, decoded, sent)
                 first_chunk = await anext(stream)
                 self._rec.record(trace, Stage.REGISTRATION, t_relay, sent.get("ns", t_relay), attrs)
             else:  # push: both legs at once
                 prefill = asyncio.ensure_future(self._prefill(path, prefill_body, headers))
-                stream = self._decode(path, body, decode_params, headers)
+                stream = self._decode(path, body, decode_params, headers, decoded)
                 decode_first = asyncio.ensure_future(anext(stream))
                 try:
                     await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
@@ -173,6 +174,10 @@ class Router:
             root_attrs = {**attrs, ATTR_STATUS: status}
             if first_token_ns:
                 root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = first_token_ns - t_in
+            if decoded.last_token_ns:
+                root_attrs[semconv.ATTR_ROUTER_LAST_TOKEN_NS] = decoded.last_token_ns - t_in
+            if decoded.output_tokens:
+                root_attrs[semconv.ATTR_OUTPUT_TOKENS] = decoded.output_tokens
             self._rec.record(root_parent, Stage.PD_REQUEST, t_in, end, root_attrs, span_id=trace.span_id,
                              error=None if status < 400 else "upstream_error")
 
@@ -207,9 +212,10 @@ class Router:
                                 "with a kv_producer NIXL connector?)", "upstream_error")
         return params
 
-    async def _decode(self, path: str, body: dict, params: dict, headers: dict,
+    async def _decode(self, path: str, body: dict, params: dict, headers: dict, progress: "DecodeProgress",
                       sent: dict[str, int] | None = None):
-        """Yield D's SSE events (bytes) as they arrive; ``sent["ns"]`` notes when the leg left."""
+        """Yield D's SSE events (bytes) as they arrive, noting token progress; ``sent["ns"]`` notes
+        when the leg left."""
         assert self._session is not None
         decode_body = {**body, "stream": True, "kv_transfer_params": params,
                        "stream_options": {"include_usage": True}}
@@ -225,6 +231,7 @@ class Router:
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if event.strip():
+                        progress.saw(event, self._rec.now())
                         yield event + b"\n\n"
 
     async def _respond(self, request: web.Request, body: dict, chat: bool, first: bytes,
@@ -239,6 +246,29 @@ class Router:
             return response
         events = [first] + [event async for event in stream]
         return web.json_response(assemble(events, chat))
+
+
+class DecodeProgress:
+    """When the router saw D's last token and how many D produced (from the usage chunk D sends
+    last, as the decode leg asks it to). Reads only counts, never text."""
+
+    __slots__ = ("last_token_ns", "output_tokens")
+
+    def __init__(self) -> None:
+        self.last_token_ns = 0
+        self.output_tokens = 0
+
+    def saw(self, event: bytes, now_ns: int) -> None:
+        if b'"usage"' in event and b'"completion_tokens"' in event:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: ") and b'"usage"' in line:
+                    try:
+                        usage = json.loads(line[6:]).get("usage") or {}
+                    except ValueError:
+                        continue
+                    self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
+        if b'"choices"' in event and b'"choices":[]' not in event:  # a token (the usage chunk has none)
+            self.last_token_ns = now_ns
 
 
 def _upstream_message(payload: bytes, leg: str) -> str:
