@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
 
 import kvtrace
 from kvtrace.telemetry.versions import installed_version
-
-# Subcommands whose issue has not landed yet: they say so instead of pretending.
-_NOT_YET = {
-    "dashboard": "the Streamlit dashboard",
-}
 
 _BENCHES = {"recorder": "recorder_overhead.py", "connector": "connector_overhead.py",
             "idle-cpu": "idle_cpu.py"}
@@ -55,6 +51,9 @@ def _collector_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="... and this key (PEM)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--query-port", type=int, default=0,
+                        help="read-only query endpoint for dashboards and `kvtrace query` while running "
+                             "(default 0: any free port, advertised beside the store; -1: off)")
     parser.add_argument("--decision-wait", type=float, default=c.DEFAULT_DECISION_WAIT_S,
                         help="seconds to wait after a trace's last span before attributing it")
     parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
@@ -80,7 +79,8 @@ def _cmd_collector(args: argparse.Namespace) -> int:
             forward=args.forward,
             forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
             bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            metrics_port=args.metrics_port, decision_wait_s=args.decision_wait, fsync=args.fsync,
+            metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
+            decision_wait_s=args.decision_wait, fsync=args.fsync,
             archive_bytes=int(args.archive_gib * 1024**3))
         collector = Collector(config)
     except (ValueError, OSError) as exc:
@@ -91,7 +91,10 @@ def _cmd_collector(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     collector.start()
     ports = ", ".join(f"{type(r).__name__} :{r.port}" for r in collector.receivers)
-    logging.getLogger("kvtrace.collector").info("listening on %s (%s); store %s", config.host, ports, config.db_path)
+    log = logging.getLogger("kvtrace.collector")
+    log.info("listening on %s (%s); store %s", config.host, ports, config.db_path)
+    if collector.query_service is not None:
+        log.info("query endpoint %s (kvtrace dashboard --db %s finds it)", collector.query_service.url, config.db_path)
     stop.wait()
     collector.shutdown()
     return 0
@@ -130,11 +133,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_yet(what: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"kvtrace {args.command}: not yet available — {what}.", file=sys.stderr)
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", help="the store (DuckDB file), whether or not a collector is writing it")
+    parser.add_argument("--collector", metavar="URL",
+                        help="a collector's query endpoint instead (http://host:port), e.g. on another host")
+    parser.add_argument("--token", default=os.environ.get("KVTRACE_TOKEN"),
+                        help="the collector's bearer token (default: $KVTRACE_TOKEN)")
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from kvtrace.dashboard.launch import serve
+
+    if not args.db and not args.collector:
+        print("kvtrace dashboard: give --db PATH (or --collector URL)", file=sys.stderr)
         return 2
-    return run
+    return serve(db=args.db, collector=args.collector, token=args.token, host=args.host, port=args.port,
+                 apm_url=args.apm_url, refresh_s=args.refresh)
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from kvtrace.collectors.reader import StoreUnavailable, open_store
+    from kvtrace.collectors.query_service import QueryRefused
+
+    if not args.db and not args.collector:
+        print("kvtrace query: give --db PATH (or --collector URL)", file=sys.stderr)
+        return 2
+    try:
+        table = open_store(args.db, collector=args.collector, token=args.token).sql(args.sql)
+    except (StoreUnavailable, QueryRefused) as exc:
+        print(f"kvtrace query: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        import pyarrow.csv
+        import pyarrow.parquet
+
+        if args.out.endswith(".parquet"):
+            pyarrow.parquet.write_table(table, args.out)
+        elif args.out.endswith(".csv"):
+            pyarrow.csv.write_csv(table, args.out)
+        else:
+            print("kvtrace query: --out must end in .parquet or .csv", file=sys.stderr)
+            return 2
+        print(f"{table.num_rows} rows -> {args.out}", file=sys.stderr)
+        return 0
+    print(_text_table(table, args.limit))
+    return 0
+
+
+def _text_table(table, limit: int) -> str:
+    columns = table.column_names
+    rows = [[("" if v is None else str(v)) for v in row.values()] for row in table.slice(0, limit).to_pylist()]
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    if table.num_rows > limit:
+        lines.append(f"... {table.num_rows - limit} more rows (--limit, or --out FILE.parquet)")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,8 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine into the embedded collector, "
                           "push and pull; `kvtrace demo --help` for its options", add_help=False)
     demo.set_defaults(func=_cmd_demo)
-    for name, what in _NOT_YET.items():
-        sub.add_parser(name, help=f"{what} — not yet").set_defaults(func=_not_yet(what))
+    dashboard = sub.add_parser("dashboard", help="the Streamlit dashboard: where each request's TTFT went")
+    _store_arguments(dashboard)
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    dashboard.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    dashboard.add_argument("--apm-url", default=os.environ.get("KVTRACE_APM_URL"), metavar="TEMPLATE",
+                           help="'open in your APM' link for a trace, {trace_id} is replaced "
+                                "(e.g. http://jaeger:16686/trace/{trace_id}; default: $KVTRACE_APM_URL)")
+    dashboard.add_argument("--refresh", type=float, default=5.0, help="seconds between live updates (default 5)")
+    dashboard.set_defaults(func=_cmd_dashboard)
+    query = sub.add_parser("query", help="one read-only SQL SELECT on a store, running collector or not")
+    _store_arguments(query)
+    query.add_argument("sql", help="a SELECT over the store's tables: requests, stages, spans, request_rollup, ...")
+    query.add_argument("--out", help="write the result to FILE.parquet or FILE.csv instead of printing it")
+    query.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
+    query.set_defaults(func=_cmd_query)
     return parser
 
 

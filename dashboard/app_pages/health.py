@@ -1,0 +1,43 @@
+"""Health: can the breakdown be trusted, and is the collector keeping up?"""
+
+import streamlit as st
+
+from kvtrace.dashboard import charts, data, ui
+
+f, options = ui.page("Health", "Clock offsets between processes, incomplete traces, the time no span covers, and "
+                     "the collector's own counters.")
+
+health = data.ask("health", f)
+left, right = st.columns(2)
+with left:
+    st.subheader("Clock offsets per instance")
+    st.plotly_chart(charts.clock_offsets(health["clocks"].to_pylist()), key="clocks")
+    st.caption("What was added to each process's times to put them on the router's clock (mean per interval).")
+with right:
+    st.subheader("Unattributed share of TTFT")
+    st.plotly_chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
+    st.caption("Time no span covers. A rising share means a stage stopped reporting, or clocks drifted.")
+
+st.subheader("Incomplete traces and what they miss")
+missing = health["missing"].to_pylist()
+if missing:
+    st.dataframe([{"mode": r["mode"], "missing stages": r["missing"], "requests": r["requests"]} for r in missing],
+                 hide_index=True)
+else:
+    st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
+
+collector = health["collector"].to_pylist()
+left, right = st.columns(2)
+with left:
+    st.subheader("Collector: refused, dropped, forwarded")
+    st.plotly_chart(charts.collector_counters(collector, ["requests_rejected", "forward_dropped", "forward_failures",
+                                                          "forwarded_spans"], "count since start"), key="counters")
+with right:
+    st.subheader("Collector: lag and backlog")
+    st.plotly_chart(charts.collector_counters(collector, ["lag_ms", "pending_traces", "queued_requests"],
+                                              "ms / traces / requests"), key="lag")
+if collector:
+    last = collector[-1]
+    st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "
+               f"traces decided ({ui.count(last['traces_incomplete'])} incomplete, {ui.count(last['traces_late'])} "
+               f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans.")

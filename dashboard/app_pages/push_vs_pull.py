@@ -1,0 +1,45 @@
+"""Push vs pull: who wins, and which part of TTFT makes the difference."""
+
+import streamlit as st
+
+from kvtrace.collectors.reader import PART_COLUMNS, PARTS, length_label
+from kvtrace.dashboard import charts, data, ui
+
+f, options = ui.page("Push vs pull",
+                     "Push binds decode early and writes the KV cache from prefill; pull reads it after prefill. "
+                     "Same workload, two answers: which part of TTFT differs?")
+
+st.subheader("TTFT distribution")
+st.plotly_chart(charts.ttft_cdf(data.ask("ttft_cdf", f)), key="cdf")
+
+by_mode = data.ask("parts_by_mode", f).to_pylist()
+st.subheader("Parts of TTFT, side by side")
+st.plotly_chart(charts.parts_side_by_side(by_mode), key="side_by_side")
+modes = {row["mode"]: row for row in by_mode}
+if {"push", "pull"} <= modes.keys():
+    push, pull = modes["push"], modes["pull"]
+    table = [{"part": part, "push (ms)": push[c], "pull (ms)": pull[c], "pull − push (ms)": pull[c] - push[c]}
+             for part, c in zip(PARTS, PART_COLUMNS)]
+    table.append({"part": "TTFT", "push (ms)": push["ttft_ms"], "pull (ms)": pull["ttft_ms"],
+                  "pull − push (ms)": pull["ttft_ms"] - push["ttft_ms"]})
+    st.dataframe(table, hide_index=True, column_config={
+        c: st.column_config.NumberColumn(format="%.2f") for c in ("push (ms)", "pull (ms)", "pull − push (ms)")})
+else:
+    st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
+
+st.subheader("By prompt length")
+st.plotly_chart(charts.parts_by_length(data.ask("parts_by_length", f).to_pylist()), key="by_length")
+
+st.subheader("The transfer itself")
+transfers = data.ask("transfers", f).to_pylist()
+left, right = st.columns([2, 3])
+with left:
+    st.dataframe([{"mode": t["mode"], "requests": t["requests"], "MB/s (NIXL)": t["mb_per_s"],
+                   "MB per request": t["mb_per_request"], "descriptors": t["descriptors_per_request"],
+                   "post µs": t["post_us_per_request"], "transfer µs": t["xfer_us_per_request"]} for t in transfers],
+                 hide_index=True, column_config={k: st.column_config.NumberColumn(format="%.1f") for k in (
+                     "MB/s (NIXL)", "MB per request", "descriptors", "post µs", "transfer µs")})
+    st.caption("MB/s is bytes over NIXL's own transfer time; post is NIXL's time to hand the request over. "
+               "Per request: means over the selection.")
+with right:
+    st.plotly_chart(charts.transfer_bars(transfers), key="transfers")

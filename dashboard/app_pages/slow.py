@@ -1,0 +1,60 @@
+"""Slow requests: select the slow ones and see what sets them apart."""
+
+from datetime import datetime, timezone
+
+import streamlit as st
+
+from kvtrace.collectors.reader import length_label
+from kvtrace.dashboard import charts, data, ui
+
+f, options = ui.page("Slow requests",
+                     "Draw a box around the requests you care about (the slowest are always plotted, the rest are a "
+                     "sample taken in the database) and compare them with everything else under the same filters.")
+
+sample = data.ask("requests_sample", f).to_pylist()
+event = st.plotly_chart(charts.slow_scatter(sample), key="slow_scatter", on_select="rerun", selection_mode=("box",))
+boxes = (event.selection.get("box") or []) if event and event.selection else []
+
+
+def _time(value) -> datetime:
+    if isinstance(value, (int, float)):  # Plotly sends epoch ms for a date axis in some versions
+        return datetime.fromtimestamp(value / 1000, tz=timezone.utc)
+    parsed = datetime.fromisoformat(str(value).replace(" ", "T"))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+if boxes:
+    box = boxes[0]
+    (x0, x1), (y0, y1) = sorted(box["x"]), sorted(box["y"])
+    result = data.ask("compare", f, _time(x0), _time(x1), float(y0), float(y1))
+    parts = result["parts"].to_pylist()
+    selected = next((r["requests"] for r in parts if r["group"] == "selected"), 0)
+    st.subheader(f"{selected:,} selected requests against the rest")
+    st.plotly_chart(charts.compare_parts(parts), key="compare_parts")
+    columns = st.columns(4)
+    for column, (name, title) in zip(columns * 2, [("mode", "mode"), ("rendezvous_order", "rendezvous order"),
+                                                   ("length_bucket", "prompt tokens"), ("error", "failed"),
+                                                   ("prefill_instance", "prefill instance"),
+                                                   ("decode_instance", "decode instance"), ("complete", "complete")]):
+        rows = result[name].to_pylist()
+        totals = {g: sum(r["requests"] for r in rows if r["group"] == g) for g in ("selected", "rest")}
+        values = sorted({r["value"] for r in rows}, key=str)
+        table = [{title: length_label(v) if name == "length_bucket" else (v if v not in ("", None) else "–"),
+                  **{f"{g} (%)": 100 * sum(r["requests"] for r in rows if r["group"] == g and r["value"] == v)
+                     / totals[g] if totals[g] else 0.0 for g in ("selected", "rest")}} for v in values]
+        column.dataframe(table, hide_index=True, column_config={
+            f"{g} (%)": st.column_config.NumberColumn(format="%.0f%%") for g in ("selected", "rest")})
+else:
+    st.info("Drag a box on the chart to select requests.", icon=":material/select:")
+
+st.subheader("The slowest requests")
+slowest = data.ask("slowest", f).to_pylist()
+st.dataframe([{"trace": f"trace?trace_id={r['trace_id']}", "started (UTC)": r["started_at"], "mode": r["mode"],
+               "TTFT (ms)": r["ttft_ms"], **{k.removesuffix("_ms") + " (ms)": r[k] for k in (
+                   "compute_ms", "queue_ms", "coordination_ms", "wire_ms", "unattributed_ms")},
+               "order": r["rendezvous_order"], "complete": r["complete"], "error": r["error"]} for r in slowest],
+             hide_index=True, column_config={
+                 "trace": st.column_config.LinkColumn("trace", display_text=r"trace_id=(.{12})"),
+                 **{c: st.column_config.NumberColumn(format="%.1f") for c in (
+                     "TTFT (ms)", "compute (ms)", "queue (ms)", "coordination (ms)", "wire (ms)",
+                     "unattributed (ms)")}})

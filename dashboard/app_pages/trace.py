@@ -1,0 +1,76 @@
+"""Trace: one request's waterfall, critical path and breakdown."""
+
+import streamlit as st
+
+from kvtrace.collectors.reader import PART_COLUMNS, PARTS
+from kvtrace.dashboard import charts, data, ui
+
+f, options = ui.page("Trace", "One request on the router's clock: each stage on the lane of the process and thread "
+                     "that timed it, the critical path in black, and its TTFT split into parts that add up.")
+
+slowest = data.ask("slowest", f, 20).to_pylist()
+trace_id = st.query_params.get("trace_id", "")
+choices = [r["trace_id"] for r in slowest]
+if trace_id and trace_id not in choices:
+    choices.insert(0, trace_id)
+picked = st.selectbox("Trace (the slowest under the filters, or ?trace_id= in the URL)", choices,
+                      index=choices.index(trace_id) if trace_id in choices else 0 if choices else None,
+                      format_func=lambda t: next((f"{t} · {r['mode']} · TTFT {r['ttft_ms']:.1f} ms" for r in slowest
+                                                  if r["trace_id"] == t), t))
+if picked and picked != trace_id:
+    st.query_params["trace_id"] = picked
+    trace_id = picked
+
+found = data.ask("trace", None, trace_id) if trace_id else None
+if found is None:
+    st.warning(f"No request with trace id `{trace_id}` in this store." if trace_id else "No trace selected.")
+    st.stop()
+
+request, stages = found["request"], found["stages"]
+spans = data.ask("trace_spans", None, trace_id)
+attributes = {}
+for span in spans:
+    key = ({"producer": "prefill", "consumer": "decode"}.get(span["resource"].get("kvtrace.role"), "router"),
+           span["attributes"].get("kvtrace.stage", span["name"]))
+    attributes.setdefault(key, span)
+for stage in stages:
+    span = attributes.get((stage["side"], stage["stage"]))
+    if span is not None:
+        shown = {k: v for k, v in span["attributes"].items() if k not in ("kvtrace.category", "kvtrace.stage")}
+        stage["hover"] = "<br>" + "<br>".join(f"{k}: {v}" for k, v in sorted(shown.items())) + \
+            f"<br>instance: {span['resource'].get('service.instance.id', '')}"
+
+cols = st.columns(5)
+cols[0].metric("TTFT (router)", ui.ms(request["ttft_ms"]))
+cols[1].metric("Mode", request["mode"])
+cols[2].metric("Prompt tokens", ui.count(request["prompt_tokens"]))
+cols[3].metric("Rendezvous", request["rendezvous_order"] or "–")
+cols[4].metric("Complete", "yes" if request["complete"] else "no", help=request["missing"] or None)
+settings = data.settings()
+if settings.apm_url:
+    st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")
+
+st.plotly_chart(charts.waterfall(stages, request["ttft_ms"]), key="waterfall")
+offsets = request["clock_offsets"]
+st.caption("Clock offsets applied to put every process on the router's clock: " + (
+    ", ".join(f"{charts._short(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
+    or "none") + ".")
+
+left, right = st.columns([2, 3])
+with left:
+    st.subheader("Breakdown")
+    table = [{"part": part, "ms": request[column], "share": request[column] / request["ttft_ms"] * 100
+              if request["ttft_ms"] else 0.0} for part, column in zip(PARTS, PART_COLUMNS)]
+    table.append({"part": "TTFT (sum)", "ms": sum(request[c] for c in PART_COLUMNS), "share": 100.0})
+    st.dataframe(table, hide_index=True, column_config={"ms": st.column_config.NumberColumn(format="%.3f"),
+                                                         "share": st.column_config.NumberColumn("share (%)",
+                                                                                                format="%.1f")})
+with right:
+    st.subheader("Stages")
+    st.dataframe([{"lane": charts.lane(s["side"], s["stage"]), "stage": s["stage"], "category": s["category"],
+                   "start (ms)": s["start_ms"], "duration (ms)": s["duration_ms"], "critical (ms)": s["critical_ms"]}
+                  for s in stages], hide_index=True, column_config={
+        c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)", "critical (ms)")})
+if not spans:
+    st.caption("The original spans (every attribute) are no longer in the collector's archive; the stages above "
+               "are the stored breakdown.")

@@ -1,0 +1,62 @@
+"""``kvtrace dashboard``: run the Streamlit app on 127.0.0.1 until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .settings import Settings
+
+APP = Path(__file__).resolve().parent / "app.py"
+
+
+def command(host: str, port: int) -> list[str]:
+    """The Streamlit command line: no browser, no usage statistics, no developer menu."""
+    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host,
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "viewer", "--server.fileWatcherType", "none", "--theme.base", "light"]
+
+
+def start(settings: Settings, host: str = "127.0.0.1", port: int = 8501, *,
+          log: int | None = None) -> subprocess.Popen:
+    """Start the dashboard as a child process (its own process group, so one signal stops it)."""
+    try:
+        import plotly  # noqa: F401
+        import streamlit  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"the dashboard needs streamlit and plotly: pip install 'kvtrace[dashboard]' ({exc})") \
+            from None
+    return subprocess.Popen(command(host, port), env={**os.environ, **settings.environ()},
+                            stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def serve(*, db: str | None, collector: str | None, token: str | None, host: str, port: int,
+          apm_url: str | None, refresh_s: float) -> int:
+    settings = Settings(db=db, collector=collector, token=token, apm_url=apm_url, refresh_s=refresh_s)
+    try:
+        process = start(settings, host, port)
+    except RuntimeError as exc:
+        print(f"kvtrace dashboard: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvtrace dashboard: http://{host}:{port}  (reading {db or collector}; Ctrl-C stops it)", file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: (stop(process), sys.exit(0)))  # a TERM to us ends it too
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        stop(process)
+        return 0
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM the dashboard's process group, then SIGKILL whatever is left."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
