@@ -531,11 +531,13 @@ class StoreReader:
     def stage_table(self, f: Filters) -> list[dict]:
         """Per mode and stage: spans, p50/p99 duration, mean critical part, how often it is on the
         critical path, and its share of the mode's TTFT (complete traces)."""
+        where, params = f.where(rollup=True, alias="r.")
+        table = self._table(f"""SELECT r.mode, k.side, k.stage, k.category, r.duration_bucket, sum(r.spans) AS n,
+                                    sum(r.on_path) AS on_path, sum(r.duration_ms) AS duration_ms,
+                                    sum(r.critical_ms) AS critical_ms
+                             FROM stage_rollup r JOIN stage_keys k USING (stage_key)
+                             WHERE {where} AND r.complete AND k.category != 'root' GROUP BY 1, 2, 3, 4, 5""", params)
         where, params = f.where(rollup=True)
-        table = self._table(f"""SELECT mode, side, stage, category, duration_bucket, sum(spans) AS n,
-                                    sum(on_path) AS on_path, sum(duration_ms) AS duration_ms,
-                                    sum(critical_ms) AS critical_ms
-                             FROM stage_rollup WHERE {where} AND complete GROUP BY 1, 2, 3, 4, 5""", params)
         ttft = {r["mode"]: r for r in self._rows(
             f"SELECT mode, sum(ttft_ms) AS ttft_ms, sum(requests) AS requests FROM request_rollup "
             f"WHERE {where} AND complete GROUP BY mode", params)}
@@ -565,10 +567,12 @@ class StoreReader:
     def stage_heatmap(self, f: Filters, points: int = 60) -> pa.Table:
         """Per time step and (mode, side, stage): spans and mean duration (ms)."""
         step = self._step_seconds(f, points)
-        where, params = f.where(rollup=True)
-        return self._table(f"""SELECT to_timestamp(floor(epoch(minute) / {step}) * {step}) AS period, mode, side, stage,
-                                   sum(spans) AS spans, sum(duration_ms) / sum(spans) AS mean_ms
-                            FROM stage_rollup WHERE {where} GROUP BY ALL HAVING sum(spans) > 0 ORDER BY 1""", params)
+        where, params = f.where(rollup=True, alias="r.")
+        return self._table(f"""SELECT to_timestamp(floor(epoch(r.minute) / {step}) * {step}) AS period, r.mode, k.side,
+                                   k.stage, sum(r.spans) AS spans, sum(r.duration_ms) / sum(r.spans) AS mean_ms
+                            FROM stage_rollup r JOIN stage_keys k USING (stage_key)
+                            WHERE {where} AND k.category != 'root' GROUP BY ALL HAVING sum(r.spans) > 0 ORDER BY 1""",
+                           params)
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -675,13 +679,12 @@ class StoreReader:
             return None
         row = rows[0]
         origin_ns = int(row["started_at"].timestamp() * 1e6) * 1000
-        stages = [{"side": side, "stage": stage, "category": category, "start_ms": (start - origin_ns) / 1e6,
-                   "end_ms": (end - origin_ns) / 1e6, "duration_ms": (end - start) / 1e6,
-                   "critical_ms": critical / 1e6}
-                  for side, stage, category, start, end, critical in zip(
-                      row.pop("stage_sides") or [], row.pop("stage_names") or [], row.pop("stage_categories") or [],
-                      row.pop("stage_start_ns") or [], row.pop("stage_end_ns") or [],
-                      row.pop("stage_critical_ns") or [])]
+        keys = {r["stage_key"]: r for r in self._rows("SELECT * FROM stage_keys")}
+        stages = [{"side": keys[key]["side"], "stage": keys[key]["stage"], "category": keys[key]["category"],
+                   "start_ms": (start - origin_ns) / 1e6, "end_ms": (end - origin_ns) / 1e6,
+                   "duration_ms": (end - start) / 1e6, "critical_ms": critical / 1e6}
+                  for key, start, end, critical in zip(row.pop("stage_ids") or [], row.pop("stage_start_ns") or [],
+                                                       row.pop("stage_end_ns") or [], row.pop("stage_critical_ns") or [])]
         row["clock_offsets"] = dict(row["clock_offsets"] or {})
         return {"request": row, "stages": sorted(stages, key=lambda s: (s["start_ms"], s["end_ms"]))}
 
@@ -713,14 +716,23 @@ class StoreReader:
         step = self._step_seconds(f, points)
         where, params = f.where(rollup=True)
         time_where, time_params = Filters(since=f.since, until=f.until).where(rollup=True)
-        raw_where, raw_params = f.where(rollup=False)
         health_where = time_where.replace("minute", "recorded_at")
+        raw_where, raw_params = f.where(rollup=False)
         return {
-            "clocks": self._table(f"""SELECT to_timestamp(floor(epoch(minute) / {step}) * {step}) AS period, instance,
-                                          sum(offset_sum_ms) / sum(requests) AS offset_ms, min(offset_min_ms) AS min_ms,
-                                          max(offset_max_ms) AS max_ms, sum(requests) AS requests
-                                   FROM clock_rollup WHERE {time_where} GROUP BY 1, 2 HAVING sum(requests) > 0
-                                   ORDER BY 1, 2""", time_params),
+            "clocks": self._table(f"""
+                WITH per_side AS (
+                    SELECT minute, prefill_instance AS instance, requests, prefill_offset_ms AS offset_ms,
+                           prefill_offset_min_ms AS min_ms, prefill_offset_max_ms AS max_ms
+                    FROM request_rollup WHERE {where}
+                    UNION ALL
+                    SELECT minute, decode_instance, requests, decode_offset_ms, decode_offset_min_ms,
+                           decode_offset_max_ms
+                    FROM request_rollup WHERE {where})
+                SELECT to_timestamp(floor(epoch(minute) / {step}) * {step}) AS period, instance,
+                       sum(offset_ms) / sum(requests) AS offset_ms, min(min_ms) AS min_ms, max(max_ms) AS max_ms,
+                       sum(requests) AS requests
+                FROM per_side WHERE instance != '' GROUP BY 1, 2 HAVING sum(requests) > 0 ORDER BY 1, 2""",
+                [*params, *params]),
             "unattributed": self._table(f"""SELECT to_timestamp(floor(epoch(minute) / {step}) * {step}) AS period, mode,
                                                 sum(unattributed_ms) / sum(ttft_ms) AS share, sum(requests) AS requests
                                          FROM request_rollup WHERE {where} AND complete GROUP BY 1, 2

@@ -6,9 +6,11 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
 * ``requests`` — one row per trace: TTFT and its parts (:data:`PART_COLUMNS`, ms), the decode
   side as the router saw it (e2e, TPOT, output tokens), transfer details, instances,
   completeness, clock offsets, and each stage of the breakdown as parallel lists
-  (``stage_sides``, ``stage_names``, ``stage_categories``, ``stage_start_ns``/``stage_end_ns``
-  on the router's clock, ``stage_critical_ns``) — the attribution's own numbers, stored as
-  it made them rather than recomputed in SQL. ``flush_id`` is the commit that wrote the row.
+  (``stage_ids`` into ``stage_keys``, ``stage_start_ns``/``stage_end_ns`` on the router's
+  clock, ``stage_critical_ns``) — the attribution's own numbers, stored as it made them rather
+  than recomputed in SQL. ``flush_id`` is the commit that wrote the row.
+* ``stage_keys`` — one row per (side, stage) ever seen, with its category: the contract's
+  stages and any other a sender names, each given a small id on first sight.
 * ``stages`` — a view: those lists unnested, one row per (trace, stage).
 * ``spans`` — a view: every span as received (``span_rows`` joined with ``origins``, one row
   per sender); ``batches`` says where each export request's original bytes are in the
@@ -19,7 +21,8 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
   ``tpot_rollup`` (… × TPOT bucket) and ``stage_rollup`` (… × stage × duration bucket). The
   buckets are log-spaced (:data:`HIST_PER_OCTAVE` per doubling), so percentiles come from
   summed bucket counts; sums (means, shares, stacked parts) are exact.
-* ``clock_rollup`` — per minute and instance, the clock offsets applied.
+  ``request_rollup`` also sums the clock offsets applied to P's and D's times (and keeps
+  their least and greatest).
 * ``collector_runs`` (one row per collector start), ``collector_health`` (its counters over
   time), ``store_state`` (how far the write-ahead log is applied, and the data version).
 
@@ -29,6 +32,7 @@ columns are not retracted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Final
 
@@ -71,7 +75,7 @@ LENGTH_BUCKET_SQL: Final = ("CASE WHEN prompt_tokens > 0 THEN floor(log2(prompt_
 MINUTE_SQL: Final = "to_timestamp(floor(epoch(started_at) / 60) * 60)"
 """The minute a request started in (UTC, independent of the session's time zone)."""
 
-TABLES: Final = """
+_TABLES = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
 CREATE TABLE IF NOT EXISTS span_rows (
     trace_id VARCHAR, span_id VARCHAR, parent_span_id VARCHAR, name VARCHAR, stage VARCHAR,
@@ -92,38 +96,11 @@ CREATE TABLE IF NOT EXISTS requests (
     transfer_post_us BIGINT, transfer_xfer_us BIGINT, block_count INTEGER, kv_hold_ms DOUBLE,
     prefill_instance VARCHAR, decode_instance VARCHAR, complete BOOLEAN, missing VARCHAR, error BOOLEAN,
     clock_offsets MAP(VARCHAR, BIGINT),
-    stage_sides VARCHAR[], stage_names VARCHAR[], stage_categories VARCHAR[], stage_start_ns BIGINT[],
-    stage_end_ns BIGINT[], stage_critical_ns BIGINT[],
+    stage_ids SMALLINT[], stage_start_ns BIGINT[], stage_end_ns BIGINT[], stage_critical_ns BIGINT[],
     flush_id BIGINT, updated_at TIMESTAMPTZ
 );
-CREATE TABLE IF NOT EXISTS request_rollup (
-    minute TIMESTAMPTZ, run_id VARCHAR, mode VARCHAR, length_bucket SMALLINT, prefill_instance VARCHAR,
-    decode_instance VARCHAR, complete BOOLEAN, error BOOLEAN, rendezvous_order VARCHAR, ttft_bucket SMALLINT,
-    requests BIGINT, ttft_ms DOUBLE, compute_ms DOUBLE, queue_ms DOUBLE, coordination_ms DOUBLE, wire_ms DOUBLE,
-    unattributed_ms DOUBLE, e2e_ms DOUBLE, output_tokens BIGINT, engine_loop_ms DOUBLE, transfer_bytes BIGINT,
-    transfer_descriptors BIGINT, transfer_post_us BIGINT, transfer_xfer_us BIGINT, kv_hold_ms DOUBLE,
-    kv_block_ms DOUBLE,
-    PRIMARY KEY (minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, error,
-                 rendezvous_order, ttft_bucket)
-);
-CREATE TABLE IF NOT EXISTS tpot_rollup (
-    minute TIMESTAMPTZ, run_id VARCHAR, mode VARCHAR, length_bucket SMALLINT, prefill_instance VARCHAR,
-    decode_instance VARCHAR, complete BOOLEAN, tpot_bucket SMALLINT,
-    requests BIGINT, tpot_ms DOUBLE, output_tokens BIGINT, engine_loop_ms DOUBLE,
-    PRIMARY KEY (minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, tpot_bucket)
-);
-CREATE TABLE IF NOT EXISTS stage_rollup (
-    minute TIMESTAMPTZ, run_id VARCHAR, mode VARCHAR, length_bucket SMALLINT, prefill_instance VARCHAR,
-    decode_instance VARCHAR, complete BOOLEAN, side VARCHAR, stage VARCHAR, category VARCHAR,
-    duration_bucket SMALLINT,
-    spans BIGINT, on_path BIGINT, duration_ms DOUBLE, critical_ms DOUBLE,
-    PRIMARY KEY (minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, side, stage,
-                 category, duration_bucket)
-);
-CREATE TABLE IF NOT EXISTS clock_rollup (
-    minute TIMESTAMPTZ, instance VARCHAR, requests BIGINT, offset_sum_ms DOUBLE, offset_min_ms DOUBLE,
-    offset_max_ms DOUBLE,
-    PRIMARY KEY (minute, instance)
+CREATE TABLE IF NOT EXISTS stage_keys (
+    stage_key SMALLINT PRIMARY KEY, side VARCHAR, stage VARCHAR, category VARCHAR
 );
 CREATE TABLE IF NOT EXISTS collector_runs (
     collector_run_id VARCHAR, started_at TIMESTAMPTZ, kvtrace_version VARCHAR, config VARCHAR
@@ -135,7 +112,8 @@ CREATE TABLE IF NOT EXISTS collector_health (
     pending_traces BIGINT, queued_requests BIGINT, lag_ms DOUBLE
 );
 CREATE TABLE IF NOT EXISTS store_state (
-    id INTEGER PRIMARY KEY, wal_segment INTEGER, wal_offset BIGINT, flush_id BIGINT, committed_at TIMESTAMPTZ
+    id INTEGER PRIMARY KEY, wal_segment INTEGER, wal_offset BIGINT, flush_id BIGINT, committed_at TIMESTAMPTZ,
+    compacted_until TIMESTAMPTZ
 );
 """
 
@@ -151,67 +129,108 @@ SELECT s.trace_id, s.span_id, s.parent_span_id, s.name, s.stage, o.service, o.in
        s.batch_index
 FROM span_rows s JOIN origins o USING (origin_id);
 CREATE OR REPLACE VIEW stages AS
-SELECT trace_id, side, stage, category, start_ns, end_ns, (end_ns - start_ns) / 1e6 AS duration_ms,
+SELECT trace_id, k.side, k.stage, k.category, start_ns, end_ns, (end_ns - start_ns) / 1e6 AS duration_ms,
        critical_ns / 1e6 AS critical_ms
-FROM (SELECT trace_id, unnest(stage_sides) AS side, unnest(stage_names) AS stage,
-             unnest(stage_categories) AS category, unnest(stage_start_ns) AS start_ns,
-             unnest(stage_end_ns) AS end_ns, unnest(stage_critical_ns) AS critical_ns FROM requests);
+FROM (SELECT trace_id, unnest(stage_ids) AS stage_key, unnest(stage_start_ns) AS start_ns,
+             unnest(stage_end_ns) AS end_ns, unnest(stage_critical_ns) AS critical_ns FROM requests)
+JOIN stage_keys k USING (stage_key);
 """
 
+@dataclasses.dataclass(frozen=True)
+class Rollup:
+    """One rollup table: its dimensions, what it sums, keeps the least or greatest of, and the
+    SELECT over ``requests`` (filtered by ``{where}``) that yields those columns in that order
+    (``{s}`` is the sign: '' to add, '-' to retract)."""
+
+    name: str
+    dimensions: tuple[tuple[str, str], ...]
+    sums: tuple[tuple[str, str], ...]
+    select: str
+    least: tuple[str, ...] = ()
+    greatest: tuple[str, ...] = ()
+
+    def ddl(self) -> str:
+        columns = [*self.dimensions, *self.sums, *((c, "DOUBLE") for c in (*self.least, *self.greatest))]
+        return f"CREATE TABLE IF NOT EXISTS {self.name} ({', '.join(f'{c} {t}' for c, t in columns)});"
+
+    def append(self, where: str, sign: int) -> str:
+        return f"INSERT INTO {self.name} " + self.select.format(where=where, s="" if sign == 1 else "-")
+
+    def compaction(self) -> list[str]:
+        """Merge the rows of minutes in [?, ?) into one per key (appends leave one per flush)."""
+        dims = ", ".join(c for c, _ in self.dimensions)
+        values = ", ".join([*(f"sum({c})" for c, _ in self.sums), *(f"min({c})" for c in self.least),
+                            *(f"max({c})" for c in self.greatest)])
+        return [f"CREATE TEMP TABLE merged AS SELECT {dims}, {values} FROM {self.name} "
+                f"WHERE minute >= $1 AND minute < $2 GROUP BY ALL",
+                f"DELETE FROM {self.name} WHERE minute >= $1 AND minute < $2",
+                f"INSERT INTO {self.name} SELECT * FROM merged",
+                "DROP TABLE merged"]
+
+
 # The dimensions every rollup shares, as computed from a request row.
-_DIMENSIONS = (f"{MINUTE_SQL} AS minute, run_id, mode, {LENGTH_BUCKET_SQL} AS length_bucket, prefill_instance, "
-               "decode_instance, complete")
+_DIMENSIONS = (("minute", "TIMESTAMPTZ"), ("run_id", "VARCHAR"), ("mode", "VARCHAR"), ("length_bucket", "SMALLINT"),
+               ("prefill_instance", "VARCHAR"), ("decode_instance", "VARCHAR"), ("complete", "BOOLEAN"))
+_FROM_REQUEST = (f"{MINUTE_SQL} AS minute, run_id, mode, {LENGTH_BUCKET_SQL} AS length_bucket, prefill_instance, "
+                 "decode_instance, complete")
+
+ROLLUPS: Final = (
+    Rollup(
+        "request_rollup",
+        (*_DIMENSIONS, ("error", "BOOLEAN"), ("rendezvous_order", "VARCHAR"), ("ttft_bucket", "SMALLINT")),
+        (("requests", "BIGINT"), ("ttft_ms", "DOUBLE"), *((c, "DOUBLE") for c in PART_COLUMNS), ("e2e_ms", "DOUBLE"),
+         ("output_tokens", "BIGINT"), ("engine_loop_ms", "DOUBLE"), ("transfer_bytes", "BIGINT"),
+         ("transfer_descriptors", "BIGINT"), ("transfer_post_us", "BIGINT"), ("transfer_xfer_us", "BIGINT"),
+         ("kv_hold_ms", "DOUBLE"), ("kv_block_ms", "DOUBLE"), ("prefill_offset_ms", "DOUBLE"),
+         ("decode_offset_ms", "DOUBLE")),
+        f"""SELECT {_FROM_REQUEST}, error, rendezvous_order, {bucket_sql('ttft_ms')},
+                   {{s}}count(*), {{s}}sum(ttft_ms), {", ".join(f"{{s}}sum({c})" for c in PART_COLUMNS)},
+                   {{s}}sum(e2e_ms), {{s}}sum(output_tokens), {{s}}sum(engine_loop_ms), {{s}}sum(transfer_bytes),
+                   {{s}}sum(transfer_descriptors), {{s}}sum(transfer_post_us), {{s}}sum(transfer_xfer_us),
+                   {{s}}sum(kv_hold_ms), {{s}}sum(block_count * kv_hold_ms), {{s}}sum(prefill_offset),
+                   {{s}}sum(decode_offset), min(prefill_offset), min(decode_offset), max(prefill_offset),
+                   max(decode_offset)
+            FROM (SELECT *, coalesce(clock_offsets[prefill_instance], 0) / 1e6 AS prefill_offset,
+                            coalesce(clock_offsets[decode_instance], 0) / 1e6 AS decode_offset
+                  FROM requests WHERE {{where}}) GROUP BY ALL""",
+        least=("prefill_offset_min_ms", "decode_offset_min_ms"),
+        greatest=("prefill_offset_max_ms", "decode_offset_max_ms")),
+    Rollup(
+        "tpot_rollup",
+        (*_DIMENSIONS, ("tpot_bucket", "SMALLINT")),
+        (("requests", "BIGINT"), ("tpot_ms", "DOUBLE"), ("output_tokens", "BIGINT"), ("engine_loop_ms", "DOUBLE")),
+        f"""SELECT {_FROM_REQUEST}, {bucket_sql('tpot_ms')}, {{s}}count(*), {{s}}sum(tpot_ms),
+                   {{s}}sum(output_tokens), {{s}}sum(engine_loop_ms)
+            FROM requests WHERE ({{where}}) AND tpot_ms > 0 GROUP BY ALL"""),
+    Rollup(
+        "stage_rollup",
+        (*_DIMENSIONS, ("stage_key", "SMALLINT"), ("duration_bucket", "SMALLINT")),
+        (("spans", "BIGINT"), ("on_path", "BIGINT"), ("duration_ms", "DOUBLE"), ("critical_ms", "DOUBLE")),
+        f"""SELECT minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, stage_key,
+                   {bucket_sql('duration_ms')}, {{s}}count(*), {{s}}count(*) FILTER (WHERE critical_ms > 0),
+                   {{s}}sum(duration_ms), {{s}}sum(critical_ms)
+            FROM (SELECT {_FROM_REQUEST}, unnest(stage_ids) AS stage_key,
+                         (unnest(stage_end_ns) - unnest(stage_start_ns)) / 1e6 AS duration_ms,
+                         unnest(stage_critical_ns) / 1e6 AS critical_ms
+                  FROM requests WHERE {{where}})
+            GROUP BY ALL"""),
+)
+"""Each rollup is appended to by every commit that writes requests (partial sums, one row per key
+per commit: appending costs ~40 % of an upsert into a keyed table) and compacted to one row
+per key and minute once the minute is over (:meth:`Rollup.compaction`); readers always sum."""
 
 
-def _upsert(table: str, select: str, summed: tuple[str, ...], extra_set: str = "") -> str:
-    updates = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in summed)
-    return f"INSERT INTO {table} {select} ON CONFLICT DO UPDATE SET {updates}{extra_set}"
-
-
-_REQUEST_SUMS = ("requests", "ttft_ms", *PART_COLUMNS, "e2e_ms", "output_tokens", "engine_loop_ms",
-                 "transfer_bytes", "transfer_descriptors", "transfer_post_us", "transfer_xfer_us", "kv_hold_ms",
-                 "kv_block_ms")
-_TPOT_SUMS = ("requests", "tpot_ms", "output_tokens", "engine_loop_ms")
-_STAGE_SUMS = ("spans", "on_path", "duration_ms", "critical_ms")
+TABLES: Final = _TABLES + "\n".join(rollup.ddl() for rollup in ROLLUPS)
+"""Every table, rollups included."""
 
 
 def rollup_statements(where: str, sign: int) -> list[str]:
     """SQL that adds (``sign`` 1) or retracts (-1) the requests matching ``where`` (one ``?``
     parameter) in every rollup."""
-    s = "" if sign == 1 else "-"
-    request = _upsert("request_rollup", f"""
-        SELECT {_DIMENSIONS}, error, rendezvous_order, {bucket_sql('ttft_ms')} AS ttft_bucket,
-               {s}count(*), {s}sum(ttft_ms), {", ".join(f"{s}sum({c})" for c in PART_COLUMNS)}, {s}sum(e2e_ms),
-               {s}sum(output_tokens), {s}sum(engine_loop_ms), {s}sum(transfer_bytes), {s}sum(transfer_descriptors),
-               {s}sum(transfer_post_us), {s}sum(transfer_xfer_us), {s}sum(kv_hold_ms),
-               {s}sum(block_count * kv_hold_ms)
-        FROM requests WHERE {where} GROUP BY ALL""", _REQUEST_SUMS)
-    tpot = _upsert("tpot_rollup", f"""
-        SELECT {_DIMENSIONS}, {bucket_sql('tpot_ms')} AS tpot_bucket, {s}count(*), {s}sum(tpot_ms),
-               {s}sum(output_tokens), {s}sum(engine_loop_ms)
-        FROM requests WHERE ({where}) AND tpot_ms > 0 GROUP BY ALL""", _TPOT_SUMS)
-    stage = _upsert("stage_rollup", f"""
-        SELECT minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, side, stage,
-               category, {bucket_sql('duration_ms')} AS duration_bucket, {s}count(*),
-               {s}count(*) FILTER (WHERE critical_ms > 0), {s}sum(duration_ms), {s}sum(critical_ms)
-        FROM (SELECT {_DIMENSIONS}, unnest(stage_sides) AS side, unnest(stage_names) AS stage,
-                     unnest(stage_categories) AS category,
-                     (unnest(stage_end_ns) - unnest(stage_start_ns)) / 1e6 AS duration_ms,
-                     unnest(stage_critical_ns) / 1e6 AS critical_ms
-              FROM requests WHERE {where})
-        WHERE category != '{semconv.Category.ROOT.value}' GROUP BY ALL""", _STAGE_SUMS)
-    clock = _upsert("clock_rollup", f"""
-        SELECT minute, instance, {s}count(*), {s}sum(offset_ms), min(offset_ms), max(offset_ms)
-        FROM (SELECT {MINUTE_SQL} AS minute, unnest(map_keys(clock_offsets)) AS instance,
-                     unnest(map_values(clock_offsets)) / 1e6 AS offset_ms
-              FROM requests WHERE {where})
-        GROUP BY ALL""", ("requests", "offset_sum_ms"),
-        extra_set=", offset_min_ms = least(clock_rollup.offset_min_ms, excluded.offset_min_ms), "
-                  "offset_max_ms = greatest(clock_rollup.offset_max_ms, excluded.offset_max_ms)")
-    return [request, tpot, stage, clock]
+    return [rollup.append(where, sign) for rollup in ROLLUPS]
 
 
 def describe() -> str:
     """The tables a user can query, for ``kvtrace query --help`` and the README."""
     return ("requests (one row per trace), stages (view), spans (view), request_rollup, tpot_rollup, "
-            "stage_rollup, clock_rollup, collector_runs, collector_health, batches")
+            "stage_rollup, stage_keys, collector_runs, collector_health, batches")

@@ -15,29 +15,33 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import operator
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
 
 import duckdb
 import pyarrow as pa
 
 from . import schema
-from .attribution import Breakdown
+from .attribution import STAGE_CATEGORY, Breakdown
 from .model import Origin, SpanBatch, SpanColumns
+
+logger = logging.getLogger(__name__)
 
 # Ids arrive as binary and are written as lower-case hex (a root's all-zero parent as ''):
 # DuckDB does it per vector, not Python per span.
 _INSERT_SPANS = """INSERT INTO span_rows SELECT lower(hex(trace_id)), lower(hex(span_id)),
     CASE WHEN parent_span_id = unhex('0000000000000000') THEN '' ELSE lower(hex(parent_span_id)) END,
     name, stage, origin_id, start_ns, end_ns, status, batch_id, batch_index FROM incoming"""
+COMPACT_EVERY_S = 60.0
 _ADD_ROLLUPS = schema.rollup_statements("flush_id = ?", 1)
 _RETRACT_ROLLUPS = schema.rollup_statements("trace_id IN (SELECT unnest(?))", -1)
 
 
-_MAP = pa.map_(pa.string(), pa.int64())
 
 
 class SchemaMismatch(ValueError):
@@ -69,6 +73,9 @@ class Store:
                                           .fetchone()[0])
         self._origin_ids: dict[tuple[str, ...], int] = {
             tuple(row[1:]): row[0] for row in self._con.execute("SELECT * FROM origins").fetchall()}
+        # Each (side, stage) is a small id in ``stage_keys``, given on first sight, like a sender.
+        self._stage_ids: dict[tuple[str, str], int] = {
+            (side, stage): key for key, side, stage, _ in self._con.execute("SELECT * FROM stage_keys").fetchall()}
         self._breakdowns: dict[str, tuple[Breakdown, bool]] = {}  # trace id -> (breakdown, replaces)
         self._health: list[tuple] = []
         self._position: tuple[int, int] | None = None
@@ -157,10 +164,41 @@ class Store:
             self._health.append(row)
 
     def _run(self) -> None:
+        next_compaction = time.monotonic() + COMPACT_EVERY_S
         while not self._stop.is_set():
             self._wake.wait(self._flush_interval)
             self._wake.clear()
             self.flush()
+            if time.monotonic() >= next_compaction:
+                next_compaction = time.monotonic() + COMPACT_EVERY_S
+                try:
+                    self.compact()
+                except duckdb.Error:  # the rollups stay correct uncompacted: try again next time
+                    logger.exception("kvtrace store: rollup compaction failed")
+
+    def compact(self, until: datetime | None = None) -> None:
+        """Merge the rollups' partial rows into one per key and minute, for the minutes since the last
+        compaction up to ``until`` (default: two minutes ago, past which few requests still start)."""
+        if until is None:
+            until = datetime.now(timezone.utc) - timedelta(minutes=2)
+        until = until.replace(second=0, microsecond=0)
+        with self._db_lock:
+            con = self._con
+            row = con.execute("SELECT compacted_until FROM store_state WHERE id = 0").fetchall()
+            since = row[0][0] if row and row[0][0] is not None else datetime(1970, 1, 1, tzinfo=timezone.utc)
+            if since >= until:
+                return
+            con.execute("BEGIN")
+            try:
+                for rollup in schema.ROLLUPS:
+                    for statement in rollup.compaction():
+                        con.execute(statement, [since, until] if "$1" in statement else [])
+                con.execute("INSERT INTO store_state (id, compacted_until) VALUES (0, ?) ON CONFLICT DO UPDATE SET "
+                            "compacted_until = excluded.compacted_until", [until])
+                con.execute("COMMIT")
+            except Exception:
+                con.execute("ROLLBACK")
+                raise
 
     def flush(self) -> None:
         with self._lock:
@@ -189,8 +227,15 @@ class Store:
                 tables["origins"] = pa.table({
                     "origin_id": pa.array(list(new_origins.values()), pa.int32()),
                     **{column: [key[i] for key in new_origins] for i, column in enumerate(_ORIGIN_COLUMNS)}})
+            new_stages: dict[tuple[str, str], int] = {}
             if decided:
-                tables["requests"] = _request_table([b for b, _ in decided], flush_id)
+                tables["requests"] = _request_table([b for b, _ in decided], flush_id, self._stage_ids,
+                                                    lambda key: self._stage_id(key, new_stages))
+            if new_stages:
+                tables["stage_keys"] = pa.table({
+                    "stage_key": pa.array(list(new_stages.values()), pa.int16()),
+                    "side": [side for side, _ in new_stages], "stage": [stage for _, stage in new_stages],
+                    "category": [STAGE_CATEGORY.get(stage, "coordination") for _, stage in new_stages]})
             if health:
                 tables["collector_health"] = pa.table(list(zip(*health)),
                                                       names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
@@ -203,6 +248,7 @@ class Store:
                 # (INSERT OR IGNORE costs ~4 µs more per row, OR REPLACE 5-35 µs).
                 self._commit(tables, replaced, position, flush_id, on_conflict="OR IGNORE")
             self._origin_ids.update(new_origins)
+            self._stage_ids.update(new_stages)
             self.data_version = flush_id
             self.committed_at = time.time()
         if position is not None:
@@ -215,6 +261,15 @@ class Store:
         found = self._origin_ids.get(key, new.get(key))
         if found is None:
             found = new[key] = len(self._origin_ids) + len(new) + 1
+        return found
+
+    def _stage_id(self, key: tuple[str, str], new: dict[tuple[str, str], int]) -> int:
+        """A (side, stage)'s id in ``stage_keys``, given on first sight (written by this flush)."""
+        found = self._stage_ids.get(key)
+        if found is None:
+            found = new.get(key)
+            if found is None:
+                found = new[key] = len(self._stage_ids) + len(new) + 1
         return found
 
     def _commit(self, tables: dict[str, pa.Table], replaced: list[str], position: tuple[int, int] | None,
@@ -238,7 +293,7 @@ class Store:
                 for statement in _ADD_ROLLUPS:  # only rows this commit wrote carry its flush id
                     con.execute(statement, [flush_id])
             wal = list(position) if position is not None else [None, None]
-            con.execute("INSERT INTO store_state VALUES (0, ?, ?, ?, now()) ON CONFLICT DO UPDATE SET "
+            con.execute("INSERT INTO store_state VALUES (0, ?, ?, ?, now(), NULL) ON CONFLICT DO UPDATE SET "
                         "wal_segment = coalesce(excluded.wal_segment, store_state.wal_segment), "
                         "wal_offset = coalesce(excluded.wal_offset, store_state.wal_offset), "
                         "flush_id = excluded.flush_id, committed_at = excluded.committed_at", [*wal, flush_id])
@@ -266,19 +321,40 @@ class Store:
                           "ORDER BY 1, 2, 4", [trace_id])
 
 
-def _request_table(breakdowns: list[Breakdown], flush_id: int) -> pa.Table:
+def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[str, str], int],
+                   assign: Callable[[tuple[str, str]], int]) -> pa.Table:
     """One row per trace with its breakdown: the ``requests`` table's columns, in order."""
     now = datetime.now(timezone.utc)
     ms = 1e6
-    sides, names, categories, starts, ends, critical = [], [], [], [], [], []
-    for b in breakdowns:  # each stage of the breakdown, as parallel lists
-        keys, timings, on_path = list(b.timings), list(b.timings.values()), b.critical_ns
-        sides.append([key[0] for key in keys])
-        names.append([key[1] for key in keys])
-        starts.append([t[0] for t in timings])
-        ends.append([t[1] for t in timings])
-        categories.append([t[2] for t in timings])
-        critical.append([on_path.get(key, 0) for key in keys])
+    # Each stage of each breakdown as flat lists and one offset per row: Arrow builds the list
+    # columns from them without a Python list per row (~4x cheaper).
+    keys: list[tuple[str, str]] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    critical: list[int] = []
+    offsets = [0]
+    instances: list[str] = []
+    instance_offsets: list[int] = []
+    clock_offsets = [0]
+    for b in breakdowns:  # C-level map/extend: this loop runs for every stage of every trace
+        timings = b.timings
+        values = timings.values()
+        keys.extend(timings)
+        starts.extend(map(_FIRST, values))
+        ends.extend(map(_SECOND, values))
+        critical.extend(map(b.critical_ns.get, timings, _ZEROS))
+        offsets.append(len(keys))
+        instances.extend(b.offsets_ns)
+        instance_offsets.extend(b.offsets_ns.values())
+        clock_offsets.append(len(instances))
+    stage_ids = list(map(known.get, keys))
+    if None in stage_ids:  # a (side, stage) not seen before
+        stage_ids = [found if found is not None else assign(key) for found, key in zip(stage_ids, keys)]
+    offsets_array = pa.array(offsets, pa.int32())
+
+    def lists(values: list, kind: pa.DataType) -> pa.ListArray:
+        return pa.ListArray.from_arrays(offsets_array, pa.array(values, kind))
+
     return pa.table({
         "trace_id": [b.trace_id for b in breakdowns],
         "request_id": [b.request_id for b in breakdowns],
@@ -305,20 +381,20 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int) -> pa.Table:
         "complete": [b.complete for b in breakdowns],
         "missing": [",".join(b.missing) for b in breakdowns],
         "error": [b.error for b in breakdowns],
-        "clock_offsets": pa.array([list(b.offsets_ns.items()) for b in breakdowns], _MAP),
-        "stage_sides": sides,
-        "stage_names": names,
-        "stage_categories": categories,
-        "stage_start_ns": pa.array(starts, _NS_LIST),
-        "stage_end_ns": pa.array(ends, _NS_LIST),
-        "stage_critical_ns": pa.array(critical, _NS_LIST),
+        "clock_offsets": pa.MapArray.from_arrays(pa.array(clock_offsets, pa.int32()), pa.array(instances, pa.string()),
+                                                 pa.array(instance_offsets, pa.int64())),
+        "stage_ids": lists(stage_ids, pa.int16()),
+        "stage_start_ns": lists(starts, pa.int64()),
+        "stage_end_ns": lists(ends, pa.int64()),
+        "stage_critical_ns": lists(critical, pa.int64()),
         "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
     })
 
 
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_ZEROS = itertools.repeat(0)
 _ORIGIN_COLUMNS = ("service", "instance", "role", "mode", "run_id")
-_NS_LIST = pa.list_(pa.int64())
 
 
 def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: list[list[int]]) -> pa.Table:
