@@ -54,23 +54,37 @@ class StoreUnavailable(RuntimeError):
 # --------------------------------------------------------------------------------------
 
 
+class StoreHeld(Exception):
+    """A collector holds the store file: read through its query endpoint instead."""
+
+
 class FileSource:
-    """A store file no collector holds: read-only, one connection per query (so a collector
-    can open the file for writing between two queries)."""
+    """A store file no collector holds, read-only. One connection serves every query (a cursor
+    each) and is closed after :attr:`IDLE_S` without one, so a collector can open the file for
+    writing soon after a reader stops asking (a collector waits for that, see ``Store``)."""
 
     kind = "file"
+    IDLE_S = 2.0
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._lock = threading.Lock()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._users = 0
+        self._last_used = 0.0
+        self._closer: threading.Timer | None = None
 
     def query(self, sql: str, params: Sequence = ()) -> pa.Table:
-        with self._connect() as con:
+        with self._cursor() as con:
             return run_query(con, sql, list(params))
 
     def data_version(self) -> str:
-        """Changes whenever the file (or DuckDB's log beside it) changes."""
-        with self._connect():  # raises while a collector holds the file: the caller looks there
-            pass
+        """Changes whenever the file (or DuckDB's log beside it) changes; raises :class:`StoreHeld`
+        while a collector advertises that it writes the file."""
+        if _live_advert(self.path) is not None:
+            raise StoreHeld(str(self.path))
+        if not self.path.exists():
+            raise StoreUnavailable(f"{self.path}: no such store (start a collector with --db {self.path})")
         parts = []
         for path in (self.path, Path(f"{self.path}.wal")):
             with contextlib.suppress(OSError):
@@ -79,8 +93,68 @@ class FileSource:
         return "file:" + "/".join(parts)
 
     def status(self) -> dict:
+        with self._cursor():  # proves the file is readable, and of this schema
+            pass
         return {"source": "file", "path": str(self.path), "schema_version": schema.SCHEMA_VERSION,
                 "data_version": self.data_version()}
+
+    @contextlib.contextmanager
+    def _cursor(self):
+        with self._lock:
+            if self._con is None:
+                if _live_advert(self.path) is not None:
+                    raise StoreHeld(str(self.path))
+                self._con = self._open()
+            self._users += 1
+            con = self._con
+        try:
+            cursor = con.cursor()
+            try:
+                yield cursor
+            finally:
+                cursor.close()
+        finally:
+            with self._lock:
+                self._users -= 1
+                self._last_used = time.monotonic()
+                if self._closer is None:
+                    self._closer = threading.Timer(self.IDLE_S, self._close_if_idle)
+                    self._closer.daemon = True
+                    self._closer.start()
+
+    def _close_if_idle(self) -> None:
+        with self._lock:
+            self._closer = None
+            idle = time.monotonic() - self._last_used
+            if self._users == 0 and idle >= self.IDLE_S * 0.9 and self._con is not None:
+                self._con.close()
+                self._con = None
+            elif self._con is not None:
+                self._closer = threading.Timer(max(0.1, self.IDLE_S - idle), self._close_if_idle)
+                self._closer.daemon = True
+                self._closer.start()
+
+    def _open(self) -> duckdb.DuckDBPyConnection:
+        if not self.path.exists():
+            raise StoreUnavailable(f"{self.path}: no such store (start a collector with --db {self.path})")
+        try:
+            con = duckdb.connect(str(self.path), read_only=True, config={"enable_external_access": False})
+        except (duckdb.IOException, duckdb.ConnectionException) as exc:
+            # Another process holds the file ("Conflicting lock"), or this one does (a collector
+            # embedded here: "same database file with a different configuration").
+            if "lock" in str(exc).lower() or "same database file" in str(exc):
+                raise StoreHeld(str(exc)) from None
+            raise StoreUnavailable(f"{self.path}: {exc}") from None
+        try:
+            found = con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0]
+        except duckdb.CatalogException:
+            found = None
+        if found != schema.SCHEMA_VERSION:
+            con.close()
+            raise StoreUnavailable(
+                f"{self.path}: written by a kvtrace with store schema {found or 'unknown'}; this kvtrace reads "
+                f"schema {schema.SCHEMA_VERSION}. Read it with the kvtrace that wrote it, or collect into a new file.")
+        return con
 
     def trace_originals(self, trace_id: str) -> bytes | None:
         """The trace's spans as received, from the write-ahead log beside the file (if kept)."""
@@ -111,25 +185,6 @@ class FileSource:
                 return Path(wal_dir) if Path(wal_dir).is_dir() else None
         default = Path(f"{self.path}.kvtrace-wal")
         return default if default.is_dir() else None
-
-    @contextlib.contextmanager
-    def _connect(self):
-        if not self.path.exists():
-            raise StoreUnavailable(f"{self.path}: no such store (start a collector with --db {self.path})")
-        con = duckdb.connect(str(self.path), read_only=True, config={"enable_external_access": False})
-        try:
-            found = con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0]
-        except duckdb.CatalogException:
-            found = None
-        try:
-            if found != schema.SCHEMA_VERSION:
-                raise StoreUnavailable(
-                    f"{self.path}: written by a kvtrace with store schema {found or 'unknown'}; this kvtrace reads "
-                    f"schema {schema.SCHEMA_VERSION}. Read it with the kvtrace that wrote it, or collect into a new file.")
-            yield con
-        finally:
-            con.close()
-
 
 class CollectorSource:
     """A running collector's query endpoint (:mod:`.query_service`)."""
@@ -217,24 +272,33 @@ class AutoSource:
                 self._collector = None
         try:
             return fn(self.file)
-        except (duckdb.IOException, duckdb.ConnectionException) as exc:
-            # Another process holds the file ("Conflicting lock"), or this one does (a collector
-            # embedded here: "same database file with a different configuration").
-            if "lock" not in str(exc).lower() and "same database file" not in str(exc):
-                raise StoreUnavailable(f"{self.file.path}: {exc}") from None
-            self._collector = self._advertised(exc)
+        except StoreHeld as held:
+            self._collector = self._advertised(held)
             return fn(self._collector)
 
-    def _advertised(self, lock_error: Exception) -> CollectorSource:
-        sidecar = endpoint_file(self.file.path)
-        try:
-            advert = json.loads(sidecar.read_text())
-            url = advert["url"]
-        except (OSError, ValueError, KeyError):
+    def _advertised(self, held: Exception) -> CollectorSource:
+        advert = _live_advert(self.file.path)
+        if advert is None:
             raise StoreUnavailable(
                 f"{self.file.path} is held by another process and no collector advertises a query endpoint for it "
-                f"({sidecar} is missing): {lock_error}") from None
-        return CollectorSource(url, self._token)
+                f"({endpoint_file(self.file.path)} is missing): {held}") from None
+        return CollectorSource(advert["url"], self._token)
+
+
+def _live_advert(path: Path) -> dict | None:
+    """The query endpoint a running collector advertises beside the store, if its process is alive."""
+    try:
+        advert = json.loads(endpoint_file(path).read_text())
+        pid, _ = int(advert["pid"]), advert["url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # left behind by a collector that was killed
+    except PermissionError:
+        pass
+    return advert
 
 
 def open_store(db: str | os.PathLike | None = None, *, collector: str | None = None,

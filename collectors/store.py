@@ -55,7 +55,7 @@ class Store:
         # hand-offs (it measured 2.6x slower inserts on a collector pinned to one core).
         # No file access from SQL: readers of a running collector send queries here
         # (.query_service), and those must see the store's tables and nothing else.
-        self._con = duckdb.connect(path, config={"threads": 1, "enable_external_access": False})
+        self._con = _connect(path)
         try:
             self._create_schema()
         except Exception:
@@ -319,6 +319,20 @@ class Store:
         return self.query("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
                           "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
                           "ORDER BY 1, 2, 4", [trace_id])
+
+
+def _connect(path: str, wait_s: float = 10.0) -> duckdb.DuckDBPyConnection:
+    """Open the store for writing, waiting up to ``wait_s`` for a reader to let go of it (a reader
+    of a stopped store holds it read-only for a moment after each query: .reader)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return duckdb.connect(path, config={"threads": 1, "enable_external_access": False})
+        except duckdb.IOException as exc:
+            if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            logger.info("kvtrace store: %s is open in a reader; waiting for it to let go", path)
+            time.sleep(0.25)
 
 
 def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[str, str], int],
