@@ -1,7 +1,10 @@
 """Plotly figure builders: plain functions from the reader's answers to figures.
 
 One colour per category and per mode on every page (:data:`CATEGORY_COLORS`,
-:data:`MODE_COLORS`), units on every axis, and the category order of the contract.
+:data:`MODE_COLORS`), units on every axis, and the category order of the contract. Figures are
+assembled as plain specs and wrapped once (``go.Figure(spec)``): building them call by call
+(``add_bar``, ``update_layout``) validates every property and cost ~30 ms a figure, the spec
+~4 ms, and a page has several.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from kvtrace.collectors.reader import PART_COLUMNS, PARTS, length_label
 from kvtrace.telemetry import semconv
@@ -26,15 +28,24 @@ CATEGORY_COLORS = {
 MODE_COLORS = {"push": "#7B61FF", "pull": "#00A6A6"}
 ORDER_COLORS = {semconv.RendezvousOrder.REGISTRATION_FIRST.value: "#54A24B",
                 semconv.RendezvousOrder.KV_FIRST.value: "#E45756"}
-_FONT = dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=13)
+_FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 13}
+_GRID = "#E9E9E9"
 
 
-def _layout(fig: go.Figure, *, height: int = 340, legend: bool = True, **kwargs: Any) -> go.Figure:
-    fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10), font=_FONT, template="plotly_white",
-                      showlegend=legend, legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0, title=None,
-                                                     traceorder="normal"),
-                      **kwargs)
-    return fig
+def _axis(title: str | None, **extra: Any) -> dict:
+    axis = {"title": {"text": title}, "gridcolor": _GRID, "zerolinecolor": "#CCCCCC", "automargin": True}
+    axis.update(extra)
+    return axis
+
+
+def _figure(data: list[dict], *, x: dict, y: dict, height: int = 340, legend: bool = True, **layout: Any
+            ) -> go.Figure:
+    spec = {"data": data, "layout": {
+        "height": height, "margin": {"l": 10, "r": 10, "t": 40, "b": 10}, "font": _FONT,
+        "plot_bgcolor": "white", "paper_bgcolor": "white", "showlegend": legend,
+        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0, "traceorder": "normal"},
+        "xaxis": x, "yaxis": y, **layout}}
+    return go.Figure(spec)
 
 
 def mode_color(mode: str) -> str:
@@ -42,38 +53,33 @@ def mode_color(mode: str) -> str:
 
 
 def empty(message: str) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, font=dict(size=14, color="#777"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, height=200, legend=False)
+    return _figure([], x={"visible": False}, y={"visible": False}, height=200, legend=False, annotations=[
+        {"text": message, "showarrow": False, "font": {"size": 14, "color": "#777"}}])
 
 
 # ------------------------------------------------------------------ parts of TTFT
 
 
-def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share: bool = False, title: str = "") -> go.Figure:
+def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share: bool = False) -> go.Figure:
     """Horizontal stacked bars of the five parts, one bar per row (its ``label`` names it): mean
     ms, or each part's share of the mean TTFT (%)."""
     if not rows:
         return empty("no complete requests")
     names = [str(r[label]) for r in rows]
-    fig = go.Figure()
+    data = []
     for part, column in zip(PARTS, PART_COLUMNS):
         values = [(r[column] / r["ttft_ms"] * 100 if r["ttft_ms"] else 0) if share else r[column] for r in rows]
-        fig.add_bar(y=names, x=values, name=part, orientation="h", marker_color=CATEGORY_COLORS[part],
-                    customdata=[[r[column], r["ttft_ms"], r.get("requests", 0)] for r in rows],
-                    hovertemplate=f"<b>%{{y}}</b> {part}: %{{customdata[0]:.1f}} ms of %{{customdata[1]:.1f}} ms"
-                                  f" TTFT (%{{customdata[2]}} requests)<extra></extra>")
-    fig.update_layout(barmode="stack", title=title)
-    fig.update_xaxes(title_text="share of TTFT (%)" if share else "mean time (ms)",
-                     range=[0, 100] if share else None, ticksuffix="%" if share else "")
-    fig.update_yaxes(title_text=None, autorange="reversed")
-    return _layout(fig, height=120 + 45 * len(rows))
+        data.append({"type": "bar", "orientation": "h", "name": part, "y": names, "x": values,
+                     "marker": {"color": CATEGORY_COLORS[part]},
+                     "customdata": [[r[column], r["ttft_ms"], r.get("requests", 0)] for r in rows],
+                     "hovertemplate": f"<b>%{{y}}</b> {part}: %{{customdata[0]:.1f}} ms of %{{customdata[1]:.1f}} "
+                                      f"ms TTFT (%{{customdata[2]}} requests)<extra></extra>"})
+    x = _axis("share of TTFT (%)", range=[0, 100], ticksuffix="%") if share else _axis("mean time (ms)")
+    return _figure(data, x=x, y=_axis(None, autorange="reversed"), height=120 + 45 * len(rows), barmode="stack")
 
 
 def cohort_rows(cohorts: Sequence[dict]) -> list[dict]:
-    """Cohort rows labelled for :func:`stacked_parts` ("push · p50", "push · slowest 1 %")."""
+    """Cohort rows labelled for :func:`stacked_parts` ("push · median", "push · slowest 1 %")."""
     out = []
     for row in cohorts:
         name = "median" if row["cohort"] == "p50" else f"slowest {100 - int(row['cohort'][1:])} %"
@@ -82,48 +88,43 @@ def cohort_rows(cohorts: Sequence[dict]) -> list[dict]:
 
 
 def parts_side_by_side(rows: Sequence[dict]) -> go.Figure:
-    """Each part's mean per mode, grouped by part; the hover says the difference."""
+    """Each part's mean per mode, grouped by part."""
     if not rows:
         return empty("no complete requests")
-    fig = go.Figure()
-    for row in rows:
-        fig.add_bar(x=list(PARTS), y=[row[c] for c in PART_COLUMNS], name=row["mode"],
-                    marker_color=mode_color(row["mode"]),
-                    hovertemplate=f"{row['mode']} %{{x}}: %{{y:.2f}} ms<extra></extra>")
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="mean time per request (ms)")
-    fig.update_xaxes(title_text="part of TTFT")
-    return _layout(fig)
+    data = [{"type": "bar", "name": row["mode"], "x": list(PARTS), "y": [row[c] for c in PART_COLUMNS],
+             "marker": {"color": mode_color(row["mode"])},
+             "hovertemplate": f"{row['mode']} %{{x}}: %{{y:.2f}} ms<extra></extra>"} for row in rows]
+    return _figure(data, x=_axis("part of TTFT"), y=_axis("mean time per request (ms)"), barmode="group")
 
 
 def ttft_over_time(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete requests in this window")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in rows}):
         points = [r for r in rows if r["mode"] == mode]
         x = [r["period"] for r in points]
-        fig.add_scatter(x=x, y=[r["p50_ms"] for r in points], name=f"{mode} p50", mode="lines+markers",
-                        line=dict(color=mode_color(mode), width=2), marker=dict(size=4))
-        fig.add_scatter(x=x, y=[r["p99_ms"] for r in points], name=f"{mode} p99", mode="lines",
-                        line=dict(color=mode_color(mode), width=1.5, dash="dot"))
-    fig.update_yaxes(title_text="TTFT (ms)", rangemode="tozero")
-    fig.update_xaxes(title_text="time (UTC)")
-    return _layout(fig)
+        data.append({"type": "scatter", "mode": "lines+markers", "name": f"{mode} p50", "x": x,
+                     "y": [r["p50_ms"] for r in points], "line": {"color": mode_color(mode), "width": 2},
+                     "marker": {"size": 4}})
+        data.append({"type": "scatter", "mode": "lines", "name": f"{mode} p99", "x": x,
+                     "y": [r["p99_ms"] for r in points],
+                     "line": {"color": mode_color(mode), "width": 1.5, "dash": "dot"}})
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("TTFT (ms)", rangemode="tozero"))
 
 
 def ttft_cdf(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete requests")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in rows}):
         points = [r for r in rows if r["mode"] == mode]
-        fig.add_scatter(x=[p["ttft_ms"] for p in points], y=[p["share"] * 100 for p in points], name=mode,
-                        mode="lines", line=dict(color=mode_color(mode), width=2.5, shape="hv"),
-                        hovertemplate=f"{mode}: %{{y:.1f}}% of requests at or below %{{x:.1f}} ms<extra></extra>")
-    fig.update_xaxes(title_text="TTFT (ms, log scale)", type="log")
-    fig.update_yaxes(title_text="requests at or below (%)", range=[0, 101], ticksuffix="%")
-    return _layout(fig)
+        data.append({"type": "scatter", "mode": "lines", "name": mode, "x": [p["ttft_ms"] for p in points],
+                     "y": [p["share"] * 100 for p in points], "line": {"color": mode_color(mode), "width": 2.5,
+                                                                     "shape": "hv"},
+                     "hovertemplate": f"{mode}: %{{y:.1f}}% of requests at or below %{{x:.1f}} ms<extra></extra>"})
+    return _figure(data, x=_axis("TTFT (ms, log scale)", type="log"),
+                   y=_axis("requests at or below (%)", range=[0, 101], ticksuffix="%"))
 
 
 def parts_by_length(rows: Sequence[dict]) -> go.Figure:
@@ -131,34 +132,37 @@ def parts_by_length(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete requests")
     modes = sorted({r["mode"] for r in rows})
-    fig = make_subplots(rows=1, cols=len(modes), shared_yaxes=True, subplot_titles=modes, horizontal_spacing=0.04)
-    for col, mode in enumerate(modes, start=1):
+    width = 1 / len(modes)
+    data, layout, annotations = [], {}, []
+    for i, mode in enumerate(modes):
+        suffix = "" if i == 0 else str(i + 1)
         points = [r for r in rows if r["mode"] == mode]
         labels = [length_label(r["length_bucket"]) for r in points]
         for part, column in zip(PARTS, PART_COLUMNS):
-            fig.add_bar(x=labels, y=[r[column] for r in points], name=part, marker_color=CATEGORY_COLORS[part],
-                        legendgroup=part, showlegend=col == 1,
-                        hovertemplate=f"{mode} %{{x}} tokens · {part}: %{{y:.1f}} ms<extra></extra>",
-                        row=1, col=col)
-        fig.update_xaxes(title_text="prompt tokens", row=1, col=col)
-    fig.update_layout(barmode="stack")
-    fig.update_yaxes(title_text="mean time (ms)", row=1, col=1)
-    return _layout(fig, height=380)
+            data.append({"type": "bar", "name": part, "x": labels, "y": [r[column] for r in points],
+                         "xaxis": f"x{suffix}", "yaxis": "y", "legendgroup": part, "showlegend": i == 0,
+                         "marker": {"color": CATEGORY_COLORS[part]},
+                         "hovertemplate": f"{mode} %{{x}} tokens · {part}: %{{y:.1f}} ms<extra></extra>"})
+        layout[f"xaxis{suffix}"] = _axis("prompt tokens", domain=[i * width + (0.03 if i else 0),
+                                                                  (i + 1) * width - (0.03 if i < len(modes) - 1
+                                                                                     else 0)], anchor="y")
+        annotations.append({"text": f"<b>{mode}</b>", "showarrow": False, "xref": "paper", "yref": "paper",
+                            "x": (i + 0.5) * width, "y": 1.0, "yanchor": "bottom"})
+    first = layout.pop("xaxis")
+    return _figure(data, x=first, y=_axis("mean time (ms)"), height=380, barmode="stack", annotations=annotations,
+                   **layout)
 
 
 def transfer_bars(rows: Sequence[dict]) -> go.Figure:
     """Per mode: NIXL's post time against its transfer time per request (µs)."""
     if not rows:
         return empty("no transfers")
-    fig = go.Figure()
     modes = [r["mode"] for r in rows]
-    fig.add_bar(x=modes, y=[r["post_us_per_request"] for r in rows], name="NIXL post", marker_color="#9ecae9")
-    fig.add_bar(x=modes, y=[r["xfer_us_per_request"] for r in rows], name="NIXL transfer",
-                marker_color=CATEGORY_COLORS["wire"])
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="per request (µs)")
-    fig.update_xaxes(title_text="mode")
-    return _layout(fig)
+    data = [{"type": "bar", "name": "NIXL post", "x": modes, "y": [r["post_us_per_request"] for r in rows],
+             "marker": {"color": "#9ECAE9"}},
+            {"type": "bar", "name": "NIXL transfer", "x": modes, "y": [r["xfer_us_per_request"] for r in rows],
+             "marker": {"color": CATEGORY_COLORS["wire"]}}]
+    return _figure(data, x=_axis("mode"), y=_axis("per request (µs)"), barmode="group")
 
 
 # ------------------------------------------------------------------ stages
@@ -169,35 +173,31 @@ def stage_shares(rows: Sequence[dict]) -> go.Figure:
     rows = [r for r in rows if r["ttft_share"]]
     if not rows:
         return empty("no stage on the critical path")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in rows}):
         points = [r for r in rows if r["mode"] == mode]
-        fig.add_bar(y=[f"{r['side']} · {r['stage']}" for r in points], x=[r["ttft_share"] * 100 for r in points],
-                    name=mode, orientation="h", marker_color=mode_color(mode),
-                    hovertemplate=f"{mode} %{{y}}: %{{x:.1f}}% of TTFT<extra></extra>")
-    fig.update_layout(barmode="group")
-    fig.update_xaxes(title_text="share of TTFT on the critical path (%)", ticksuffix="%")
-    fig.update_yaxes(autorange="reversed", title_text=None)
-    return _layout(fig, height=160 + 22 * len(rows))
+        data.append({"type": "bar", "orientation": "h", "name": mode, "marker": {"color": mode_color(mode)},
+                     "y": [f"{r['side']} · {r['stage']}" for r in points], "x": [r["ttft_share"] * 100 for r in points],
+                     "hovertemplate": f"{mode} %{{y}}: %{{x:.1f}}% of TTFT<extra></extra>"})
+    return _figure(data, x=_axis("share of TTFT on the critical path (%)", ticksuffix="%"),
+                   y=_axis(None, autorange="reversed"), height=160 + 22 * len(rows), barmode="group")
 
 
 def stage_heatmap(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no stages in this window")
-    keys = sorted({(r["mode"], r["side"], r["stage"]) for r in rows},
-                  key=lambda k: (k[0], _stage_rank(k[2]), k[1]))
+    keys = sorted({(r["mode"], r["side"], r["stage"]) for r in rows}, key=lambda k: (k[0], _stage_rank(k[2]), k[1]))
     times = sorted({r["period"] for r in rows})
     index = {k: i for i, k in enumerate(keys)}
     column = {t: i for i, t in enumerate(times)}
     z: list[list[float | None]] = [[None] * len(times) for _ in keys]
     for r in rows:
         z[index[(r["mode"], r["side"], r["stage"])]][column[r["period"]]] = r["mean_ms"]
-    fig = go.Figure(go.Heatmap(x=times, y=[f"{m} · {s} · {st}" for m, s, st in keys], z=z, colorscale="YlOrRd",
-                               colorbar=dict(title=dict(text="mean ms")),
-                               hovertemplate="%{y}<br>%{x}: %{z:.2f} ms<extra></extra>"))
-    fig.update_xaxes(title_text="time (UTC)")
-    fig.update_yaxes(autorange="reversed")
-    return _layout(fig, height=160 + 20 * len(keys), legend=False)
+    data = [{"type": "heatmap", "x": times, "y": [f"{m} · {s} · {st}" for m, s, st in keys], "z": z,
+             "colorscale": "YlOrRd", "colorbar": {"title": {"text": "mean ms"}},
+             "hovertemplate": "%{y}<br>%{x}: %{z:.2f} ms<extra></extra>"}]
+    return _figure(data, x=_axis("time (UTC)"), y=_axis(None, autorange="reversed"), height=160 + 20 * len(keys),
+                   legend=False)
 
 
 def _stage_rank(stage: str) -> int:
@@ -210,14 +210,13 @@ def _stage_rank(stage: str) -> int:
 def order_over_time(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no push requests")
-    fig = go.Figure()
+    data = []
     for order in sorted({r["rendezvous_order"] for r in rows}):
         points = [r for r in rows if r["rendezvous_order"] == order]
-        fig.add_scatter(x=[p["period"] for p in points], y=[p["requests"] for p in points], name=order,
-                        stackgroup="order", mode="lines", line=dict(color=ORDER_COLORS.get(order, "#888")))
-    fig.update_yaxes(title_text="requests per interval")
-    fig.update_xaxes(title_text="time (UTC)")
-    return _layout(fig)
+        data.append({"type": "scatter", "mode": "lines", "name": order, "stackgroup": "order",
+                     "x": [p["period"] for p in points], "y": [p["requests"] for p in points],
+                     "line": {"color": ORDER_COLORS.get(order, "#888")}})
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("requests per interval"))
 
 
 def order_by_pair(rows: Sequence[dict]) -> go.Figure:
@@ -225,44 +224,39 @@ def order_by_pair(rows: Sequence[dict]) -> go.Figure:
         return empty("no push requests")
     pairs = sorted({(r["prefill_instance"], r["decode_instance"]) for r in rows})
     labels = [f"P {_short(p)} → D {_short(d)}" for p, d in pairs]
-    fig = go.Figure()
+    data = []
     for order in sorted({r["rendezvous_order"] for r in rows}):
         counts = {(r["prefill_instance"], r["decode_instance"]): r["requests"] for r in rows
                   if r["rendezvous_order"] == order}
-        fig.add_bar(y=labels, x=[counts.get(pair, 0) for pair in pairs], name=order, orientation="h",
-                    marker_color=ORDER_COLORS.get(order, "#888"))
-    fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="requests")
-    return _layout(fig, height=140 + 40 * len(pairs))
+        data.append({"type": "bar", "orientation": "h", "name": order, "y": labels,
+                     "x": [counts.get(pair, 0) for pair in pairs], "marker": {"color": ORDER_COLORS.get(order, "#888")}})
+    return _figure(data, x=_axis("requests"), y=_axis(None), height=140 + 40 * len(pairs), barmode="stack")
 
 
 def coordination_by_order(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete push requests")
-    fig = go.Figure()
     orders = [r["rendezvous_order"] for r in rows]
-    fig.add_bar(x=orders, y=[r["coordination_ms"] for r in rows], name="coordination",
-                marker_color=CATEGORY_COLORS["coordination"])
-    fig.add_bar(x=orders, y=[r["ttft_ms"] for r in rows], name="TTFT", marker_color="#cccccc")
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="mean per request (ms)")
-    fig.update_xaxes(title_text="rendezvous order")
-    return _layout(fig)
+    data = [{"type": "bar", "name": "coordination", "x": orders, "y": [r["coordination_ms"] for r in rows],
+             "marker": {"color": CATEGORY_COLORS["coordination"]}},
+            {"type": "bar", "name": "TTFT", "x": orders, "y": [r["ttft_ms"] for r in rows],
+             "marker": {"color": "#CCCCCC"}}]
+    return _figure(data, x=_axis("rendezvous order"), y=_axis("mean per request (ms)"), barmode="group")
 
 
 def kv_hold(rows: Sequence[dict]) -> go.Figure:
+    """Per mode: how long D held the blocks (ms) and what that is in block·seconds, side by side."""
     if not rows:
         return empty("no complete requests")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("held per request (ms)", "block·seconds per request"))
     modes = [r["mode"] for r in rows]
     colors = [mode_color(m) for m in modes]
-    fig.add_bar(x=modes, y=[r["hold_ms"] for r in rows], marker_color=colors, row=1, col=1,
-                hovertemplate="%{x}: %{y:.1f} ms<extra></extra>")
-    fig.add_bar(x=modes, y=[r["block_seconds_per_request"] for r in rows], marker_color=colors, row=1, col=2,
-                hovertemplate="%{x}: %{y:.3f} block·s<extra></extra>")
-    fig.update_yaxes(title_text="ms", row=1, col=1)
-    fig.update_yaxes(title_text="block·s", row=1, col=2)
-    return _layout(fig, legend=False)
+    data = [{"type": "bar", "x": modes, "y": [r["hold_ms"] for r in rows], "marker": {"color": colors},
+             "hovertemplate": "%{x}: %{y:.1f} ms<extra></extra>"},
+            {"type": "bar", "x": modes, "y": [r["block_seconds_per_request"] for r in rows], "xaxis": "x2",
+             "yaxis": "y2", "marker": {"color": colors}, "hovertemplate": "%{x}: %{y:.3f} block·s<extra></extra>"}]
+    return _figure(data, x=_axis("mode", domain=[0, 0.45]), y=_axis("held per request (ms)"), legend=False,
+                   xaxis2=_axis("mode", domain=[0.55, 1], anchor="y2"),
+                   yaxis2=_axis("block·seconds per request", anchor="x2"))
 
 
 # ------------------------------------------------------------------ decode
@@ -271,31 +265,26 @@ def kv_hold(rows: Sequence[dict]) -> go.Figure:
 def tpot_bars(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no request with two or more output tokens")
-    fig = go.Figure()
     modes = [r["mode"] for r in rows]
-    fig.add_bar(x=modes, y=[r["tpot_p50_ms"] for r in rows], name="TPOT p50", marker_color=[mode_color(m) for m in modes])
-    fig.add_bar(x=modes, y=[r["tpot_p90_ms"] for r in rows], name="TPOT p90",
-                marker=dict(color=[mode_color(m) for m in modes], opacity=0.45))
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="time per output token (ms)")
-    fig.update_xaxes(title_text="mode")
-    return _layout(fig)
+    colors = [mode_color(m) for m in modes]
+    data = [{"type": "bar", "name": "TPOT p50", "x": modes, "y": [r["tpot_p50_ms"] for r in rows],
+             "marker": {"color": colors}},
+            {"type": "bar", "name": "TPOT p90", "x": modes, "y": [r["tpot_p90_ms"] for r in rows],
+             "marker": {"color": colors, "opacity": 0.45}}]
+    return _figure(data, x=_axis("mode"), y=_axis("time per output token (ms)"), barmode="group")
 
 
 def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure:
     points = [r for r in sample if r.get("tpot_ms")]
     if not points:
         return empty("no request with two or more output tokens")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in points}):
         rows = [r for r in points if r["mode"] == mode]
-        fig.add_scattergl(x=[r["engine_loop_ms"] for r in rows], y=[r["tpot_ms"] for r in rows], name=mode,
-                          mode="markers", marker=dict(color=mode_color(mode), size=6, opacity=0.6),
-                          hovertemplate=f"{mode}: connector %{{x:.3f}} ms on the loop, TPOT %{{y:.2f}} ms"
-                                        f"<extra></extra>")
-    fig.update_xaxes(title_text="connector time on D's engine loop per request (ms)")
-    fig.update_yaxes(title_text="TPOT (ms)")
-    return _layout(fig)
+        data.append({"type": "scattergl", "mode": "markers", "name": mode, "x": [r["engine_loop_ms"] for r in rows],
+                     "y": [r["tpot_ms"] for r in rows], "marker": {"color": mode_color(mode), "size": 6, "opacity": 0.6},
+                     "hovertemplate": f"{mode}: connector %{{x:.3f}} ms on the loop, TPOT %{{y:.2f}} ms<extra></extra>"})
+    return _figure(data, x=_axis("connector time on D's engine loop per request (ms)"), y=_axis("TPOT (ms)"))
 
 
 # ------------------------------------------------------------------ requests
@@ -304,21 +293,20 @@ def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure:
 def slow_scatter(sample: Sequence[dict]) -> go.Figure:
     if not sample:
         return empty("no requests")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in sample}):
-        rows = [r for r in sample if r["mode"] == mode and not r["top"]]
-        top = [r for r in sample if r["mode"] == mode and r["top"]]
-        for points, name, marker in ((rows, f"{mode} (sample)", dict(color=mode_color(mode), size=6, opacity=0.55)),
-                                     (top, f"{mode} slowest", dict(color=mode_color(mode), size=9, symbol="diamond",
-                                                                   line=dict(color="#222", width=1)))):
-            if points:
-                fig.add_scattergl(x=[r["started_at"] for r in points], y=[r["ttft_ms"] for r in points], name=name,
-                                  mode="markers", marker=marker, customdata=[[r["trace_id"]] for r in points],
-                                  hovertemplate="%{x}<br>TTFT %{y:.1f} ms<br>trace %{customdata[0]}<extra></extra>")
-    fig.update_xaxes(title_text="request start (UTC)")
-    fig.update_yaxes(title_text="TTFT (ms)", rangemode="tozero")
-    fig.update_layout(dragmode="select")
-    return _layout(fig, height=400)
+        for top in (False, True):
+            points = [r for r in sample if r["mode"] == mode and r["top"] == top]
+            if not points:
+                continue
+            marker = ({"color": mode_color(mode), "size": 9, "symbol": "diamond", "line": {"color": "#222", "width": 1}}
+                      if top else {"color": mode_color(mode), "size": 6, "opacity": 0.55})
+            data.append({"type": "scattergl", "mode": "markers", "name": f"{mode} slowest" if top else f"{mode} (sample)",
+                         "x": [r["started_at"] for r in points], "y": [r["ttft_ms"] for r in points], "marker": marker,
+                         "customdata": [[r["trace_id"]] for r in points],
+                         "hovertemplate": "%{x}<br>TTFT %{y:.1f} ms<br>trace %{customdata[0]}<extra></extra>"})
+    return _figure(data, x=_axis("request start (UTC)"), y=_axis("TTFT (ms)", rangemode="tozero"), height=400,
+                   dragmode="select")
 
 
 def compare_parts(rows: Sequence[dict]) -> go.Figure:
@@ -328,14 +316,17 @@ def compare_parts(rows: Sequence[dict]) -> go.Figure:
 # ------------------------------------------------------------------ one trace
 
 
+_STAGE_OF_LABEL = {label: stage for stage, label in semconv.STAGE_LABELS.items()}
+_PROCESS = {"router": "router", "prefill": "P", "decode": "D"}
+
+
 def lane(side: str, stage: str) -> str:
-    """Which process and thread a stage is drawn on (the contract's RECORDED_ON)."""
+    """Which process and thread a stage is drawn on (the contract's ``RECORDED_ON``)."""
     try:
-        thread = semconv.RECORDED_ON[(semconv.Side(side), next(s for s, l in semconv.STAGE_LABELS.items() if l == stage))]
-    except (ValueError, StopIteration, KeyError):
+        thread = semconv.RECORDED_ON[(semconv.Side(side), _STAGE_OF_LABEL[stage])]
+    except (ValueError, KeyError):
         thread = "other"
-    process = {"router": "router", "prefill": "P", "decode": "D"}.get(side, side)
-    return f"{process} · {thread}"
+    return f"{_PROCESS.get(side, side)} · {thread}"
 
 
 def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
@@ -343,45 +334,46 @@ def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
     arrival); the critical path is drawn as a dark band over each stage's critical part."""
     if not stages:
         return empty("no stages recorded")
-    lanes = []
+    lanes: list[str] = []
     for s in stages:
-        name = lane(s["side"], s["stage"])
-        if name not in lanes:
-            lanes.append(name)
-    fig = go.Figure()
+        if lane(s["side"], s["stage"]) not in lanes:
+            lanes.append(lane(s["side"], s["stage"]))
+    data = []
     root = [s for s in stages if s["category"] == "root"]
     if root:  # the whole request, client in to last byte out: a thin bar behind its lane
-        fig.add_bar(y=[lane(s["side"], s["stage"]) for s in root], x=[s["duration_ms"] for s in root],
-                    base=[s["start_ms"] for s in root], orientation="h", name="request", width=0.12,
-                    marker=dict(color=CATEGORY_COLORS["root"]),
-                    hovertemplate="request: %{base:.2f} → %{x:.2f} ms long (to the last byte)<extra></extra>")
+        data.append({"type": "bar", "orientation": "h", "name": "request", "width": 0.12,
+                     "y": [lane(s["side"], s["stage"]) for s in root], "x": [s["duration_ms"] for s in root],
+                     "base": [s["start_ms"] for s in root], "marker": {"color": CATEGORY_COLORS["root"]},
+                     "hovertemplate": "request: %{x:.2f} ms long (to the last byte)<extra></extra>"})
     for category in PARTS:
         members = [s for s in stages if s["category"] == category]
-        if not members:
-            continue
-        fig.add_bar(y=[lane(s["side"], s["stage"]) for s in members], x=[max(s["duration_ms"], 0.02) for s in members],
-                    base=[s["start_ms"] for s in members], orientation="h", name=category,
-                    marker=dict(color=CATEGORY_COLORS[category], line=dict(color="white", width=1)),
-                    text=[s["stage"] for s in members], textposition="inside", insidetextanchor="start",
-                    customdata=[[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
-                                 s.get("hover", "")] for s in members],
-                    hovertemplate="<b>%{customdata[0]}</b> (%{y})<br>%{customdata[1]:.2f} → %{customdata[2]:.2f} ms"
-                                  "<br>duration %{customdata[3]:.2f} ms, on the critical path "
-                                  "%{customdata[4]:.2f} ms%{customdata[5]}<extra></extra>")
+        if members:
+            data.append({
+                "type": "bar", "orientation": "h", "name": category,
+                "y": [lane(s["side"], s["stage"]) for s in members],
+                "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
+                "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1}},
+                "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
+                "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
+                                s.get("hover", "")] for s in members],
+                "hovertemplate": "<b>%{customdata[0]}</b> (%{y})<br>%{customdata[1]:.2f} → %{customdata[2]:.2f} ms"
+                                 "<br>duration %{customdata[3]:.2f} ms, on the critical path %{customdata[4]:.2f} ms"
+                                 "%{customdata[5]}<extra></extra>"})
     critical = [s for s in stages if s["critical_ms"] > 0]
-    if critical:
+    if critical:  # the critical part of a stage ends where the stage does (or at the first token)
         ends = [min(s["end_ms"], ttft_ms) for s in critical]
-        fig.add_bar(y=[lane(s["side"], s["stage"]) for s in critical], x=[s["critical_ms"] for s in critical],
-                    base=[end - s["critical_ms"] for s, end in zip(critical, ends)], orientation="h",
-                    name="critical path", width=0.18, marker=dict(color="#111111"),
-                    hovertemplate="critical path: %{x:.2f} ms<extra></extra>")
-    fig.add_vline(x=ttft_ms, line=dict(color="#111", dash="dash", width=1),
-                  annotation_text=f"first token at the router: {ttft_ms:.1f} ms", annotation_position="bottom right",
-                  annotation_font=dict(size=11, color="#333"))
-    fig.update_layout(barmode="overlay")
-    fig.update_xaxes(title_text="ms since the router received the request (router's clock)", rangemode="tozero")
-    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title_text=None)
-    return _layout(fig, height=160 + 48 * len(lanes))
+        data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18,
+                     "y": [lane(s["side"], s["stage"]) for s in critical], "x": [s["critical_ms"] for s in critical],
+                     "base": [end - s["critical_ms"] for s, end in zip(critical, ends)],
+                     "marker": {"color": "#111111"}, "hovertemplate": "critical path: %{x:.2f} ms<extra></extra>"})
+    return _figure(
+        data, x=_axis("ms since the router received the request (router's clock)", rangemode="tozero"),
+        y=_axis(None, categoryorder="array", categoryarray=list(reversed(lanes))), height=160 + 48 * len(lanes),
+        barmode="overlay",
+        shapes=[{"type": "line", "x0": ttft_ms, "x1": ttft_ms, "y0": 0, "y1": 1, "yref": "paper",
+                 "line": {"color": "#111", "dash": "dash", "width": 1}}],
+        annotations=[{"x": ttft_ms, "y": 0, "yref": "paper", "xanchor": "left", "yanchor": "bottom", "showarrow": False,
+                      "text": f"first token at the router: {ttft_ms:.1f} ms", "font": {"size": 11, "color": "#333"}}])
 
 
 # ------------------------------------------------------------------ health
@@ -390,42 +382,36 @@ def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
 def clock_offsets(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no clock offsets recorded")
-    fig = go.Figure()
+    data = []
     for instance in sorted({r["instance"] for r in rows}):
         points = [r for r in rows if r["instance"] == instance]
-        fig.add_scatter(x=[p["period"] for p in points], y=[p["offset_ms"] for p in points], name=_short(instance),
-                        mode="lines+markers", marker=dict(size=4),
-                        error_y=dict(type="data", symmetric=False,
-                                     array=[p["max_ms"] - p["offset_ms"] for p in points],
-                                     arrayminus=[p["offset_ms"] - p["min_ms"] for p in points], thickness=1))
-    fig.update_yaxes(title_text="offset applied (ms; bars: min to max)")
-    fig.update_xaxes(title_text="time (UTC)")
-    return _layout(fig)
+        data.append({"type": "scatter", "mode": "lines+markers", "name": _short(instance), "marker": {"size": 4},
+                     "x": [p["period"] for p in points], "y": [p["offset_ms"] for p in points],
+                     "error_y": {"type": "data", "symmetric": False, "thickness": 1,
+                                 "array": [p["max_ms"] - p["offset_ms"] for p in points],
+                                 "arrayminus": [p["offset_ms"] - p["min_ms"] for p in points]}})
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("offset applied (ms; bars: min to max)"))
 
 
 def unattributed_share(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete requests")
-    fig = go.Figure()
+    data = []
     for mode in sorted({r["mode"] for r in rows}):
         points = [r for r in rows if r["mode"] == mode]
-        fig.add_scatter(x=[p["period"] for p in points], y=[p["share"] * 100 for p in points], name=mode,
-                        mode="lines+markers", line=dict(color=mode_color(mode)), marker=dict(size=4))
-    fig.update_yaxes(title_text="unattributed share of TTFT (%)", ticksuffix="%", rangemode="tozero")
-    fig.update_xaxes(title_text="time (UTC)")
-    return _layout(fig)
+        data.append({"type": "scatter", "mode": "lines+markers", "name": mode, "marker": {"size": 4},
+                     "line": {"color": mode_color(mode)}, "x": [p["period"] for p in points],
+                     "y": [p["share"] * 100 for p in points]})
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("unattributed share of TTFT (%)", ticksuffix="%",
+                                                        rangemode="tozero"))
 
 
 def collector_counters(rows: Sequence[dict], columns: Sequence[str], title: str) -> go.Figure:
     if not rows:
         return empty("no collector health recorded in this window")
-    fig = go.Figure()
-    for column in columns:
-        fig.add_scatter(x=[r["recorded_at"] for r in rows], y=[r[column] for r in rows], name=column.replace("_", " "),
-                        mode="lines")
-    fig.update_yaxes(title_text=title, rangemode="tozero")
-    fig.update_xaxes(title_text="time (UTC)")
-    return _layout(fig)
+    data = [{"type": "scatter", "mode": "lines", "name": column.replace("_", " "),
+             "x": [r["recorded_at"] for r in rows], "y": [r[column] for r in rows]} for column in columns]
+    return _figure(data, x=_axis("time (UTC)"), y=_axis(title, rangemode="tozero"))
 
 
 def _short(instance: str) -> str:
