@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.kvtrace-installed
 PHOENIX_VENV  := .venv-phoenix
 PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
 PHOENIX_VERSION := 20.26.1
+# The browser test drives Debian's Chromium (never a downloaded one); installed here when missing.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup demo test bench clean-venv
 
@@ -19,7 +22,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml collectors/_otlp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	$(PY) -m pip install --quiet -e '.[cpu,dashboard,test]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -34,7 +37,11 @@ $(PHOENIX_STAMP):
 	$(PHOENIX_VENV)/bin/python -m pip install --quiet 'arize-phoenix==$(PHOENIX_VERSION)'
 	touch $(PHOENIX_STAMP)
 
-test: $(STAMP) $(PHOENIX_STAMP)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+test: $(STAMP) $(PHOENIX_STAMP) $(CHROMIUM)
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -1,0 +1,182 @@
+"""Every page of the dashboard, run by Streamlit's AppTest on stores the collector builds from
+contract traces: what the page shows must be what the store holds."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+
+pytest.importorskip("streamlit", reason="the dashboard extra is part of the test extra")
+
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from kvtrace.collectors.config import CollectorConfig  # noqa: E402
+from kvtrace.collectors.model import SpanBatch  # noqa: E402
+from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store  # noqa: E402
+from kvtrace.collectors.service import Collector  # noqa: E402
+from kvtrace.dashboard.launch import APP as APP_PATH  # noqa: E402
+from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB  # noqa: E402
+from tests.collectors.traces import MS, build  # noqa: E402
+
+APP = str(APP_PATH)  # the installed app, by absolute path
+PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]
+
+
+def _store(path, builts) -> str:
+    """A store file written by a real collector from these traces (then stopped)."""
+    collector = Collector(CollectorConfig(db_path=str(path), grpc_port=None, http_port=0, decision_wait_s=0.0))
+    collector.start()
+    for built in builts:
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+    collector.shutdown()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stores")
+    mixed = ([build("push") for _ in range(4)] + [build("push", "kv_first")] + [build("pull") for _ in range(3)]
+             + [build("pull", fail="read"), build("push", drop={"decode:completion"})])
+    return {"empty": _store(root / "empty.duckdb", []),
+            "push": _store(root / "push.duckdb", [build("push") for _ in range(3)]),
+            "mixed": _store(root / "mixed.duckdb", mixed), "mixed_traces": mixed}
+
+
+def _app(monkeypatch, db: str, page: str = "overview", **query) -> AppTest:
+    monkeypatch.setenv(ENV_DB, db)
+    at = AppTest.from_file(APP, default_timeout=60)
+    for key, value in query.items():
+        at.query_params[key] = value
+    at.run()
+    if page != "overview":
+        at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _figures(at: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+
+
+def _metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_an_empty_store_shows_how_to_send_data(monkeypatch, stores, page):
+    at = _app(monkeypatch, stores["empty"], page)
+    assert "kvtrace collector --db" in at.info[0].value and "kv_connector_module_path" in at.info[0].value
+    assert not at.get("plotly_chart")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_its_charts(monkeypatch, stores, page):
+    for store in ("push", "mixed"):
+        at = _app(monkeypatch, stores[store], page)
+        assert at.get("plotly_chart"), f"{page} on {store}: no chart"
+        for figure in _figures(at):
+            for axis in ("xaxis", "yaxis"):  # units on every axis that is shown
+                layout = figure["layout"].get(axis, {})
+                if layout.get("visible", True) and figure["data"] and figure["data"][0].get("type") != "heatmap":
+                    title = (layout.get("title") or {}).get("text")
+                    assert title or axis == "yaxis" and figure["data"][0].get("orientation") == "h", (page, axis)
+
+
+def test_overview_numbers_are_the_stores(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"])
+    k = open_store(stores["mixed"]).kpis(Filters())
+    metrics = _metrics(at)
+    assert metrics["Requests"] == f"{k['requests']:,}" == "10"
+    assert metrics["TTFT p50"] == f"{k['ttft_p50_ms']:,.1f} ms"
+    assert metrics["Incomplete traces"] == "1" and metrics["Failed"] == "1"
+    by_mode = {r["mode"]: r for r in open_store(stores["mixed"]).parts_by_mode(Filters()).to_pylist()}
+    absolute = _figures(at)[1]  # mean ms by mode
+    for trace in absolute["data"]:
+        for mode, value in zip(trace["y"], trace["x"]):
+            assert value == pytest.approx(by_mode[mode][f"{trace['name']}_ms"])
+    for mode, row in by_mode.items():  # the bars add up to TTFT
+        total = sum(t["x"][t["y"].index(mode)] for t in absolute["data"])
+        assert total == pytest.approx(row["ttft_ms"])
+    shares = _figures(at)[0]
+    for mode in by_mode:
+        assert sum(t["x"][t["y"].index(mode)] for t in shares["data"]) == pytest.approx(100)
+
+
+def test_filters_come_from_the_url_and_narrow_the_numbers(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], mode="pull")
+    assert at.session_state["f_modes"] == ["pull"]
+    assert _metrics(at)["Requests"] == "4"  # the pull traces (one of them failed)
+    assert at.query_params["mode"] == "pull"  # kept in the URL: the view is a link
+    at.multiselect(key="f_modes").set_value(["push"]).run()
+    assert _metrics(at)["Requests"] == "6" and at.query_params["mode"] == "push"
+    assert not at.exception
+
+
+def test_push_vs_pull_shows_both_and_their_difference(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], "push_vs_pull")
+    table = at.dataframe[0].value
+    rows = {row["part"]: row for row in table.to_dict("records")}
+    assert rows["TTFT"]["pull − push (ms)"] == pytest.approx(rows["TTFT"]["pull (ms)"] - rows["TTFT"]["push (ms)"])
+    assert sum(rows[p]["push (ms)"] for p in ("compute", "queue", "coordination", "wire", "unattributed")) == \
+        pytest.approx(rows["TTFT"]["push (ms)"])
+    at = _app(monkeypatch, stores["push"], "push_vs_pull")
+    assert any("Only one mode" in c.value for c in at.caption)
+
+
+def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores):
+    built = stores["mixed_traces"][4]  # push, kv_first: its path runs through D's registration
+    at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
+    assert at.selectbox[0].value == built.trace_id
+    assert _metrics(at)["TTFT (router)"] == f"{built.ttft_ns / MS:,.1f} ms"
+    breakdown = at.dataframe[0].value.set_index("part")["ms"]
+    assert breakdown["TTFT (sum)"] == pytest.approx(built.ttft_ns / MS)
+    for part, ns in built.expected.items():
+        assert breakdown[part] == pytest.approx(ns / MS)
+    waterfall = _figures(at)[0]
+    critical = next(t for t in waterfall["data"] if t["name"] == "critical path")
+    assert sum(critical["x"]) + built.expected["unattributed"] / MS == pytest.approx(built.ttft_ns / MS)
+    lanes = {y for t in waterfall["data"] for y in t["y"]}
+    assert {"router · event loop", "P · engine loop", "P · writer thread", "D · engine loop",
+            "D · writer thread"} <= lanes
+
+
+def test_an_unknown_trace_says_so(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], "trace", trace_id="0" * 32)
+    assert "No request with trace id" in at.warning[0].value
+
+
+def test_the_apm_link_is_built_from_the_template(monkeypatch, stores):
+    built = stores["mixed_traces"][0]
+    monkeypatch.setenv(ENV_APM_URL, "http://jaeger.example:16686/trace/{trace_id}")
+    at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
+    (button,) = at.get("link_button")
+    assert button.proto.url == f"http://jaeger.example:16686/trace/{built.trace_id}"
+
+
+def test_health_lists_incomplete_traces(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], "health")
+    missing = at.dataframe[0].value.to_dict("records")
+    assert missing == [{"mode": "push", "missing stages": "decode:completion", "requests": 1}]
+
+
+def test_a_store_from_another_schema_gets_a_clear_message(monkeypatch, tmp_path):
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_version (version INTEGER); INSERT INTO schema_version VALUES (4)")
+    con.close()
+    monkeypatch.setenv(ENV_DB, str(path))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception
+    assert "store schema 4" in at.error[0].value and "cannot be read" in at.error[0].value
+
+
+def test_parts_per_request_add_up_on_the_slow_page(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], "slow")
+    slowest = at.dataframe[0].value.to_dict("records")
+    assert len(slowest) == 10
+    for row in slowest:
+        parts = sum(row[f"{c.removesuffix('_ms')} (ms)"] for c in PART_COLUMNS)
+        assert parts == pytest.approx(row["TTFT (ms)"])

@@ -1,0 +1,182 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) against
+``kvtrace dashboard --db PATH`` while a ``kvtrace collector`` writes PATH and is being fed.
+
+Every page must render its charts (Plotly's SVG, the expected legend entries) with no Streamlit
+exception, a request sent after the page loaded must appear on the Overview within the
+refresh interval, and the browser must reach nothing but 127.0.0.1. Screenshots go to
+``.artifacts/screenshots/`` (the README's come from here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtrace.collectors.reader import Filters, open_store
+from kvtrace.testbed.launch import free_port
+from kvtrace.testbed.synthetic import Generator, Workload
+from tests.collectors.traces import build
+from tests.helpers import wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parents[2] / ".artifacts" / "screenshots"
+REFRESH_S = 2.0
+PAGES = {  # url path -> legend entries its charts must show
+    "": {"compute", "queue", "coordination", "wire", "unattributed", "push p50", "pull p99"},
+    "push-vs-pull": {"push", "pull", "NIXL post", "NIXL transfer"},
+    "stages": {"push", "pull"},
+    "rendezvous": {"registration_first", "kv_first", "coordination", "TTFT"},
+    "decode": {"TPOT p50", "TPOT p90", "push", "pull"},
+    "slow": {"push (sample)", "push slowest", "pull (sample)"},
+    "trace": {"compute", "wire", "critical path", "request"},
+    "health": {"push", "pull", "requests rejected", "lag ms"},
+}
+
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is part of the test extra")
+
+
+def _post(url: str, body: bytes) -> None:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/x-protobuf"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A collector process being fed synthetic traffic and a dashboard process reading its store."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium package")
+    tmp = tmp_path_factory.mktemp("live")
+    db, http_port, ui_port = str(tmp / "live.duckdb"), free_port(), free_port()
+    logs = [open(tmp / "collector.log", "wb"), open(tmp / "dashboard.log", "wb")]
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "collector", "--db", db, "--grpc-port", "-1", "--http-port", str(http_port),
+         "--decision-wait", "0.3"], stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+    dashboard = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(ui_port), "--refresh",
+         str(REFRESH_S), "--apm-url", "http://127.0.0.1:16686/trace/{trace_id}"],
+        stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
+    otlp = f"http://127.0.0.1:{http_port}/v1/traces"
+    try:
+        assert wait_until(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 30), (tmp / "collector.log").read_text()
+        start = time.time_ns() - 20 * 60 * 10**9  # twenty minutes of traffic, both modes, a few failures
+        for payload in Generator(Workload(rate_per_s=2, run_every_s=300, failure_rate=0.02,
+                                          incomplete_rate=0.02)).requests(2_000, start):
+            _post(otlp, payload)
+        for built in (build("push"), build("pull")):  # and contract traces whose parts are known exactly
+            for request in built.requests:
+                _post(otlp, request.SerializeToString())
+        reader = open_store(db)
+        assert wait_until(lambda: reader.kpis(Filters())["requests"] == 2_002, 60)
+        ui = f"http://127.0.0.1:{ui_port}"
+        assert wait_until(lambda: _healthy(ui), 60), (tmp / "dashboard.log").read_text()
+        yield {"ui": ui, "otlp": otlp, "db": db, "reader": reader, "collector": collector}
+    finally:
+        _stop(dashboard)
+        _stop(collector)
+        for log in logs:
+            log.close()
+
+
+def _healthy(ui: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{ui}/_stcore/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    page = context.new_page()
+    page.outside = []  # every request the page makes to anything but this machine's loopback
+    page.on("request", lambda r: None if r.url.startswith(
+        ("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:")) else page.outside.append(r.url))
+    yield page
+    context.close()
+
+
+def _legend(page) -> set[str]:
+    return {text.strip() for text in page.locator(".legendtext").all_text_contents()}  # SVG: no inner text
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+def test_every_page_renders_its_charts_in_chromium(live, page, path):
+    started = time.monotonic()
+    page.goto(f"{live['ui']}/{path}")
+    page.wait_for_selector(".main-svg", timeout=60_000)
+    first_chart_s = time.monotonic() - started
+    page.wait_for_load_state("networkidle")
+    page.wait_for_timeout(1_000)  # the rest of the page's charts
+    assert page.locator("[data-testid='stException']").count() == 0, page.locator(
+        "[data-testid='stException']").first.inner_text()
+    assert page.locator(".main-svg").count() >= 1
+    missing = PAGES[path] - _legend(page)
+    assert not missing, f"/{path}: legend lacks {missing}; has {_legend(page)}"
+    assert not page.outside, page.outside
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
+    print(f"\n/{path}: first chart after {first_chart_s:.2f} s")
+
+
+def test_a_request_sent_after_the_page_loaded_appears_within_the_refresh(live, page):
+    page.goto(live["ui"])
+    requests = page.locator("[data-testid='stMetric']").filter(has_text="Requests").locator(
+        "[data-testid='stMetricValue']")
+    requests.wait_for(timeout=60_000)
+    before = int(requests.inner_text().replace(",", ""))
+    built = build("push")
+    for request in built.requests:
+        _post(live["otlp"], request.SerializeToString())
+    sent = time.monotonic()
+    # stored once the collector decides it (0.3 s after its last span) and flushes (0.5 s)...
+    assert wait_until(lambda: live["reader"].trace(built.trace_id) is not None, 10)
+    stored = time.monotonic()
+    # ... and on the page at the strip's next refresh
+    assert wait_until(lambda: int(requests.inner_text().replace(",", "")) == before + 1, REFRESH_S + 3, 0.1)
+    shown = time.monotonic()
+    print(f"\nstored {stored - sent:.2f} s after sending, on the page {shown - stored:.2f} s later "
+          f"(refresh every {REFRESH_S:g} s)")
+    assert shown - stored <= REFRESH_S + 1.5
+    assert not page.outside, page.outside
+
+
+def test_trace_page_deep_link_and_apm_link(live, page):
+    trace_id = live["reader"].slowest(Filters(), 1).to_pylist()[0]["trace_id"]
+    page.goto(f"{live['ui']}/trace?trace_id={trace_id}")
+    page.wait_for_selector(".main-svg", timeout=60_000)
+    ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (router)").locator(
+        "[data-testid='stMetricValue']").inner_text()
+    assert ttft == f"{live['reader'].trace(trace_id)['request']['ttft_ms']:,.1f} ms"  # the deep link's trace
+    assert f"trace_id={trace_id}" in page.url
+    link = page.get_by_role("link", name="Open in your APM")
+    assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
+    assert not page.outside, page.outside
