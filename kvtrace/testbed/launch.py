@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtrace.telemetry.semconv import RES_RUN_ID
+
 from . import model as tiny_model
 
 PREFILL_ENGINE_ID = "kvtrace-prefill"
@@ -57,10 +59,14 @@ class PairConfig:
     router_port: int | None = None
     log_dir: Path | None = None
     ready_timeout_s: float = 300.0
+    run_id: str = ""
+    """Tags every span of the pair (engines and router) with ``kvtrace.run.id``."""
     extra_kvtrace: dict = dataclasses.field(default_factory=dict)
 
     def kvtrace_block(self) -> dict:
         block: dict[str, Any] = {"enabled": self.tracing, **self.extra_kvtrace}
+        if self.run_id:
+            block["resource_attributes"] = {**block.get("resource_attributes", {}), RES_RUN_ID: self.run_id}
         if self.cpu_options:
             block.update(CPU_OPTIONS)
         if self.otlp_endpoint:
@@ -173,6 +179,8 @@ class LocalPair:
                 url = self.prefill_url if role == "prefill" else self.decode_url
                 self._spawn(role, command, env, cores, url)
             router_env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp" if c.tracing else "none"}
+            if c.run_id:
+                router_env["OTEL_RESOURCE_ATTRIBUTES"] = f"{RES_RUN_ID}={c.run_id}"
             if c.otlp_endpoint and c.tracing:
                 router_env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = c.otlp_endpoint
                 router_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = c.kvtrace_block()["protocol"]
