@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Dashboard at scale: a 1,000,000-request store built through the collector's own write path,
+then per page the server-side time of its first paint and of one re-filter, and the browser's
+time to its first chart.
+
+1. Build: synthetic 1P1D traffic (``kvtrace.testbed.synthetic``: contract spans, push and pull
+   runs alternating every 10 minutes, ~14 spans a request) is decoded, logged, stored, assembled
+   and attributed exactly as a running collector does it (as ``collector_stages.py`` drives it),
+   then the rollups are compacted. ``--db PATH --reuse`` keeps and reuses the store.
+2. Server side: each page runs in Streamlit's AppTest with its caches cleared — the script's whole
+   run (queries, figures) and, inside it, the time spent in store queries — once with the default
+   filters (all data: first paint) and once after a re-filter (push only, last 6 hours).
+3. Browser: ``kvtrace dashboard --db PATH``, Debian's Chromium through Playwright; per page, the
+   time from navigation to the first Plotly chart, cold (a new browser context: the whole
+   Streamlit and Plotly front end loads) and warm (the same context, as a user moving between
+   pages). Medians of ``--rounds``.
+
+Target (issue 9): each under 1 s. Prints what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]
+URLS = {"overview": "", "push_vs_pull": "push-vs-pull"}
+
+
+def build(db: str, requests: int) -> None:
+    from kvtrace.collectors.config import CollectorConfig
+    from kvtrace.collectors.model import SpanBatch
+    from kvtrace.collectors.service import Collector
+    from kvtrace.testbed.synthetic import Generator, Workload
+
+    rate = 12.0  # requests per second: a million is about a day of traffic
+    collector = Collector(CollectorConfig(db_path=db, grpc_port=0, http_port=None, decision_wait_s=0.0,
+                                          query_port=None, archive_bytes=0))
+    store, wal, assembler = collector.store, collector.wal, collector.assembler
+    start = time.time_ns() - int(requests / rate * 1e9) - 600 * 10**9
+    began, spans = time.monotonic(), 0
+    for i, payload in enumerate(Generator(Workload(rate_per_s=rate, run_every_s=600)).requests(requests, start)):
+        batch = SpanBatch.decode(payload)
+        store.add_spans(batch, wal.append(payload))
+        assembler.add(batch.rows)
+        assembler.poll(flush_all=True)
+        spans += len(batch.rows)
+        if store._rows >= store._flush_rows:
+            store.flush()
+            wal.release(store.committed_position)
+        if i % 200 == 0:
+            done = spans / 14
+            rate_now = done / max(time.monotonic() - began, 1e-9)
+            print(f"\r  building: {done:>9,.0f}/{requests:,} requests  {rate_now:,.0f}/s  "
+                  f"eta {(requests - done) / max(rate_now, 1):,.0f} s   ", end="", file=sys.stderr, flush=True)
+    store.flush()
+    store.compact(until=datetime.now(timezone.utc))
+    stored = store.query("SELECT count(*) FROM requests")[0][0]
+    store.shutdown()
+    wal.close()
+    print(f"\n  built {stored:,} requests ({spans:,} spans) in {time.monotonic() - began:,.0f} s", file=sys.stderr)
+
+
+def server_side(db: str, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per page: script run time and store-query time, first paint and re-filter (seconds)."""
+    os.environ["KVTRACE_DB"] = db
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from kvtrace.collectors import reader as reader_module
+    from kvtrace.dashboard.launch import APP
+
+    spent = [0.0]
+    original = reader_module.StoreReader.sql
+
+    def timed(self, query, params=()):
+        t = time.perf_counter()
+        try:
+            return original(self, query, params)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    reader_module.StoreReader.sql = timed
+    results: dict[str, dict[str, list[float]]] = {p: {k: [] for k in ("paint", "paint_q", "refilter", "refilter_q")}
+                                                  for p in PAGES}
+    warm = AppTest.from_file(str(APP), default_timeout=300)
+    warm.run()  # imports and the first session's set-up are the server's, once: not a page's
+    for _ in range(rounds):
+        for page in PAGES:
+            at = AppTest.from_file(str(APP), default_timeout=300)
+            st.cache_data.clear()
+            at.run()
+            if page != "overview":
+                at.switch_page(f"app_pages/{page}.py")
+            st.cache_data.clear()
+            spent[0] = 0.0
+            t = time.perf_counter()
+            at.run()
+            results[page]["paint"].append(time.perf_counter() - t)
+            results[page]["paint_q"].append(spent[0])
+            assert not at.exception, (page, [e.value for e in at.exception])
+            at.selectbox(key="f_window").set_value("6h")
+            at.multiselect(key="f_modes").set_value(["push"])
+            spent[0] = 0.0
+            t = time.perf_counter()
+            at.run()
+            results[page]["refilter"].append(time.perf_counter() - t)
+            results[page]["refilter_q"].append(spent[0])
+            assert not at.exception, (page, [e.value for e in at.exception])
+    reader_module.StoreReader.sql = original
+    return results
+
+
+def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]]:
+    from playwright.sync_api import sync_playwright
+
+    process = subprocess.Popen([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    results: dict[str, dict[str, list[float]]] = {p: {"cold": [], "warm": []} for p in PAGES}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.3)
+        with sync_playwright() as pw:
+            chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run"])
+
+            def first_chart(page, path: str) -> float:
+                t = time.perf_counter()
+                page.goto(f"http://127.0.0.1:{port}/{path}")
+                page.wait_for_selector(".main-svg", timeout=120_000)
+                return time.perf_counter() - t
+
+            warm_context = chromium.new_context(viewport={"width": 1500, "height": 1100})
+            warm_page = warm_context.new_page()
+            first_chart(warm_page, "")  # the server's first session and the browser's HTTP cache
+            for _ in range(rounds):
+                for page_name in PAGES:
+                    path = URLS.get(page_name, page_name)
+                    context = chromium.new_context(viewport={"width": 1500, "height": 1100})
+                    results[page_name]["cold"].append(first_chart(context.new_page(), path))
+                    context.close()
+                    results[page_name]["warm"].append(first_chart(warm_page, path))
+            chromium.close()
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(30)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--db", help="store path (default: a temporary file, removed at the end)")
+    parser.add_argument("--reuse", action="store_true", help="use --db as it is if it exists")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8593)
+    parser.add_argument("--no-browser", action="store_true")
+    args = parser.parse_args()
+    tmp = None
+    db = args.db
+    if db is None:
+        tmp = tempfile.mkdtemp(prefix="kvtrace-scale-")
+        db = os.path.join(tmp, "scale.duckdb")
+    try:
+        if not (args.reuse and Path(db).exists()):
+            for leftover in (db, f"{db}.wal"):
+                Path(leftover).unlink(missing_ok=True)
+            shutil.rmtree(f"{db}.kvtrace-wal", ignore_errors=True)
+            build(db, args.requests)
+        from kvtrace.collectors.reader import open_store
+
+        count = open_store(db).sql("SELECT count(*) AS n FROM requests").to_pylist()[0]["n"]
+        rollups = open_store(db).sql("SELECT (SELECT count(*) FROM request_rollup) AS r, "
+                                     "(SELECT count(*) FROM stage_rollup) AS s").to_pylist()[0]
+        print(f"store: {count:,} requests; rollup rows: {rollups['r']:,} request, {rollups['s']:,} stage")
+        server = server_side(db, args.rounds)
+        print(f"\nserver side, median of {args.rounds} (s): the page's whole script run, and the part spent in "
+              "store queries")
+        print(f"  {'page':<14}{'first paint':>12}{'queries':>10}{'re-filter':>12}{'queries':>10}")
+        for page, r in server.items():
+            print(f"  {page:<14}{statistics.median(r['paint']):>12.3f}{statistics.median(r['paint_q']):>10.3f}"
+                  f"{statistics.median(r['refilter']):>12.3f}{statistics.median(r['refilter_q']):>10.3f}")
+        if not args.no_browser:
+            seen = browser(db, args.rounds, args.port)
+            print(f"\nbrowser (Chromium), median of {args.rounds} (s): navigation to the first Plotly chart")
+            print(f"  {'page':<14}{'cold':>8}{'warm':>8}")
+            for page, r in seen.items():
+                print(f"  {page:<14}{statistics.median(r['cold']):>8.2f}{statistics.median(r['warm']):>8.2f}")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
