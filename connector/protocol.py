@@ -36,6 +36,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     """Request id → worker engine-loop time spent on it (pull descriptor prep)."""
     expired: set[str] = field(default_factory=set)
     """Request ids whose send lease expired on this worker."""
+    prepped_ns: dict[str, int] = field(default_factory=dict)
+    """Request id → when the worker began preparing its READ (pull; monotonic ns): ends ``kv.read_wait``."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "WorkerReport":
         """Merge TP ranks: a request is ready when its last rank is."""
@@ -46,7 +48,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
         for request_id, ns in other.loop_ns.items():
             self.loop_ns[request_id] = self.loop_ns.get(request_id, 0) + ns
         self.expired |= other.expired
+        for request_id, ns in other.prepped_ns.items():  # waited until its last rank began
+            self.prepped_ns[request_id] = max(ns, self.prepped_ns.get(request_id, ns))
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.ready_ns or self.loop_ns or self.expired)
+        return bool(self.ready_ns or self.loop_ns or self.expired or self.prepped_ns)

@@ -17,6 +17,7 @@ Per request, by role:
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +25,19 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.context import Sampler, TraceRef, parse_traceparent
 from kvtrace.telemetry.semconv import FailureCause, Role, Stage
 
-from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
+from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
 
 from .protocol import REG_KEY, WorkerReport, base_request_id
+
+
+def _received_ns(request: Any) -> int:
+    """When the request reached this engine's API server, on the wall clock: stamped by kvtrace's
+    middleware (.receipt), else vLLM's own arrival_time (taken later, before tokenising); 0 if neither."""
+    stamped = (request.kv_transfer_params or {}).get(PARAM_RECEIVED)
+    if isinstance(stamped, str) and stamped.isdigit() and stamped != RECEIVED_PLACEHOLDER:
+        return int(stamped)
+    arrival = getattr(request, "arrival_time", None)
+    return int(arrival * 1e9) if arrival else 0
 
 
 @dataclass(slots=True)
@@ -38,6 +49,7 @@ class _Request:
     attrs: dict
     admitted_ns: int
     scheduled_ns: int = 0  # P: first scheduled; D: scheduled for decode
+    allocated_ns: int = 0  # D: its blocks allocated (pull: kv.read_wait starts)
     kv_ready_ns: int = 0  # D: the scheduler knows the KV cache arrived
     loop_ns: int = 0  # per-request connector time on the engine loop
 
@@ -81,8 +93,15 @@ class SchedulerTracing:
         ref = self._trace_ref(request)
         attrs = {semconv.ATTR_REQUEST_ID: self.request_id_attr(request.request_id),
                  semconv.ATTR_ENGINE_ID: self._engine_id}
-        self._requests[request.request_id] = _Request(ref, request, attrs, self._rec.now())
+        now = self._rec.now()
+        self._requests[request.request_id] = _Request(ref, request, attrs, now)
         self._unsent[request.request_id] = ref.traceparent
+        arrived = _received_ns(request)
+        if arrived:
+            # Its age now, on the wall clock, back onto the recorder's monotonic clock: exact
+            # whatever the wall clock did since this process started.
+            start = now - (time.time_ns() - arrived)
+            self._rec.record(ref, Stage.P_INPUT if self._producer else Stage.D_INPUT, min(start, now), now, attrs)
 
     def before_alloc(self, request: Any, num_external_tokens: int) -> bool:
         """True when this allocation is D's first one for a remote prefill (read before vLLM
@@ -106,6 +125,7 @@ class SchedulerTracing:
         attrs = {**state.attrs, semconv.ATTR_INPUT_TOKENS: request.num_prompt_tokens,
                  semconv.ATTR_BLOCK_COUNT: sum(map(len, blocks.blocks))}  # every KV-cache group's
         self._rec.record(state.ref, Stage.ALLOCATION, state.admitted_ns, now, attrs)
+        state.allocated_ns = now
         if num_external_tokens <= 0:  # full local prefix hit: nothing to transfer
             state.kv_ready_ns = now
             return
@@ -153,12 +173,17 @@ class SchedulerTracing:
         self._loop_ns = 0
 
     def on_connector_output(self, output: Any) -> None:
+        report = output.kv_connector_worker_meta
         if not (output.finished_recving or output.finished_sending or output.failed_recving
-                or self._awaiting_first_token):
+                or self._awaiting_first_token or report):
             return  # most decode steps
         now = self._rec.now()
-        report = output.kv_connector_worker_meta
         report = report if isinstance(report, WorkerReport) else WorkerReport()
+        for request_id, prepped_ns in report.prepped_ns.items():  # pull: D's step reached the READ
+            state = self._requests.get(request_id)
+            if state is not None and state.allocated_ns:
+                self._rec.record(state.ref, Stage.READ_WAIT, state.allocated_ns,
+                                 max(state.allocated_ns, min(prepped_ns, now)), state.attrs)
         finished = (output.finished_recving or set()) | (output.finished_sending or set())
         for request_id in finished:
             state = self._requests.get(request_id)

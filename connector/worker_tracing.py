@@ -151,6 +151,9 @@ class WorkerTracing:
 
     def _record_prep(self, request_id: str, on_engine_loop: bool) -> int:
         start, end = self._local.prep_start, self._local.prep_end
+        if on_engine_loop:  # pull: the scheduler ends the request's kv.read_wait here
+            with self._report_lock:
+                self._report.prepped_ns.setdefault(request_id, start)
         if end:
             attrs = {**self._attrs(request_id), semconv.ATTR_ON_ENGINE_LOOP: on_engine_loop}
             self._rec.record(self._local.ref, Stage.DESCRIPTOR_PREP, start, end, attrs)

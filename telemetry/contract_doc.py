@@ -38,7 +38,7 @@ def _read_on(key: str, prefix: str) -> str:
     if key == semconv.ATTR_STAGE:
         return "spans outside the stage table"
     if prefix == "RES_" and key in (semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                                    semconv.RES_MODE, semconv.RES_RUN_ID):
+                                    semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME):
         return "every resource"
     return ""
 

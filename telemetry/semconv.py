@@ -36,12 +36,18 @@ class Category(str, enum.Enum):
 
 CATEGORY_MEANINGS: Final[dict[Category, str]] = {
     Category.ROOT: "The request as the router sees it; the whole that the other categories split.",
-    Category.COMPUTE: "Model forward passes: prefill on P, the first decode step on D.",
-    Category.QUEUE: "Waiting in an engine's scheduler for a slot.",
-    Category.COORDINATION: "Book-keeping between P and D: allocation, registration, rendezvous, "
+    Category.COMPUTE: "Work on the request itself: each API server rendering and tokenising the prompt "
+                      "(input), the prefill forward pass on P, the first decode step on D. It grows with "
+                      "the prompt and the model, not with how P and D are wired.",
+    Category.QUEUE: "Waiting for an engine: in its scheduler for a slot, and (pull) for D's engine step to "
+                    "reach the READ.",
+    Category.COORDINATION: "Messages and book-keeping between router, P and D: routing, the router's legs "
+                           "(a leg counts only after its engine's last stage: the answer's way back through "
+                           "vLLM's output processing and HTTP), allocation, registration, rendezvous, "
                            "handshake, descriptors, completion.",
     Category.WIRE: "Bytes moving: the NIXL WRITE (push) or READ (pull).",
-    Category.UNATTRIBUTED: "Router or network time that no span covers (assigned by the collector).",
+    Category.UNATTRIBUTED: "Time no span covers (assigned by the collector): HTTP delivery of each leg to its "
+                           "API server before vLLM stamps its arrival, and gaps between stages.",
 }
 
 BREAKDOWN_CATEGORIES: Final[tuple[Category, ...]] = (
@@ -107,18 +113,23 @@ class Stage(enum.IntEnum):
 
     PD_REQUEST = 0
     PD_ROUTE = 1
-    P_QUEUE = 2
-    PREFILL = 3
-    ALLOCATION = 4
-    REGISTRATION = 5
-    RENDEZVOUS = 6
-    HANDSHAKE = 7
-    DESCRIPTOR_PREP = 8
-    WRITE = 9
-    READ = 10
-    COMPLETION = 11
-    D_QUEUE = 12
-    FIRST_TOKEN = 13
+    P_INPUT = 2
+    P_QUEUE = 3
+    PREFILL = 4
+    PREFILL_LEG = 5
+    D_INPUT = 6
+    ALLOCATION = 7
+    READ_WAIT = 8
+    REGISTRATION = 9
+    RENDEZVOUS = 10
+    HANDSHAKE = 11
+    DESCRIPTOR_PREP = 12
+    WRITE = 13
+    READ = 14
+    COMPLETION = 15
+    D_QUEUE = 16
+    FIRST_TOKEN = 17
+    DECODE_LEG = 18
 
 
 @dataclass(frozen=True)
@@ -137,9 +148,13 @@ class StageSpec:
 # ``kvtrace.role`` resource attribute tells them apart.
 SPAN_PD_REQUEST: Final = "pd.request"
 SPAN_PD_ROUTE: Final = "pd.route"
+SPAN_PD_PREFILL_LEG: Final = "pd.prefill_leg"
+SPAN_PD_DECODE_LEG: Final = "pd.decode_leg"
+SPAN_ENGINE_INPUT: Final = "engine.input"
 SPAN_ENGINE_QUEUE: Final = "engine.queue"
 SPAN_ENGINE_PREFILL: Final = "engine.prefill"
 SPAN_KV_ALLOCATION: Final = "kv.allocation"
+SPAN_KV_READ_WAIT: Final = "kv.read_wait"
 SPAN_KV_REGISTRATION: Final = "kv.registration"
 SPAN_KV_RENDEZVOUS: Final = "kv.rendezvous"
 SPAN_KV_HANDSHAKE: Final = "kv.handshake"
@@ -158,15 +173,30 @@ STAGES: Final[dict[Stage, StageSpec]] = {
     Stage.PD_ROUTE: StageSpec(
         SPAN_PD_ROUTE, Category.COORDINATION, (_R,),
         "request parsed", "P and D chosen (push: before prefill starts)"),
+    Stage.P_INPUT: StageSpec(
+        SPAN_ENGINE_INPUT, Category.COMPUTE, (_P,),
+        "P's API server has the request (kvtrace's middleware, else vLLM's arrival_time)",
+        "P's engine admits it (after rendering, tokenising, input processing and the hand-over)"),
     Stage.P_QUEUE: StageSpec(
         SPAN_ENGINE_QUEUE, Category.QUEUE, (_P,),
         "request waiting in P's scheduler", "scheduled for prefill"),
     Stage.PREFILL: StageSpec(
         SPAN_ENGINE_PREFILL, Category.COMPUTE, (_P,),
         "scheduled for prefill", "prefill forward done, KV ready"),
+    Stage.PREFILL_LEG: StageSpec(
+        SPAN_PD_PREFILL_LEG, Category.COORDINATION, (_R,),
+        "the router sends P's leg", "P's answer (its kv_transfer_params) is back at the router"),
+    Stage.D_INPUT: StageSpec(
+        SPAN_ENGINE_INPUT, Category.COMPUTE, (_D,),
+        "D's API server has the request (kvtrace's middleware, else vLLM's arrival_time)",
+        "D's engine admits it (after rendering, tokenising, input processing and the hand-over)"),
     Stage.ALLOCATION: StageSpec(
         SPAN_KV_ALLOCATION, Category.COORDINATION, (_D,),
         "D admission", "D blocks allocated (update_state_after_alloc)"),
+    Stage.READ_WAIT: StageSpec(
+        SPAN_KV_READ_WAIT, Category.QUEUE, (_D,),
+        "pull: D's blocks allocated",
+        "D's worker starts preparing the READ (its engine step reached start_load_kv, after the forward)"),
     Stage.REGISTRATION: StageSpec(
         SPAN_KV_REGISTRATION, Category.COORDINATION, (_D, _P, _R),
         "push: allocation done (D); pull: P's params reach the router",
@@ -196,6 +226,9 @@ STAGES: Final[dict[Stage, StageSpec]] = {
     Stage.FIRST_TOKEN: StageSpec(
         SPAN_ENGINE_FIRST_TOKEN, Category.COMPUTE, (_D,),
         "scheduled for decode", "first token emitted"),
+    Stage.DECODE_LEG: StageSpec(
+        SPAN_PD_DECODE_LEG, Category.COORDINATION, (_R,),
+        "the router sends D's leg", "the first chunk (first token) is back at the router"),
 }
 
 STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
@@ -211,18 +244,21 @@ queue): what a reader of the trace gets without reading ``kvtrace.stage``."""
 
 STAGE_LABELS: Final[dict[Stage, str]] = {stage: stage.name.lower() for stage in Stage}
 
-_ENGINE, _WRITER, _ROUTER_LOOP = "engine loop", "writer thread", "event loop"
+_ENGINE, _WRITER, _ROUTER_LOOP, _API_SERVER = "engine loop", "writer thread", "event loop", "API server"
 RECORDED_ON: Final[dict[tuple[Side, Stage], str]] = {
     (_R, Stage.PD_REQUEST): _ROUTER_LOOP, (_R, Stage.PD_ROUTE): _ROUTER_LOOP, (_R, Stage.REGISTRATION): _ROUTER_LOOP,
+    (_R, Stage.PREFILL_LEG): _ROUTER_LOOP, (_R, Stage.DECODE_LEG): _ROUTER_LOOP,
+    (_P, Stage.P_INPUT): _API_SERVER, (_D, Stage.D_INPUT): _API_SERVER,
     (_P, Stage.P_QUEUE): _ENGINE, (_P, Stage.PREFILL): _ENGINE, (_P, Stage.COMPLETION): _ENGINE,
     (_P, Stage.REGISTRATION): _WRITER, (_P, Stage.RENDEZVOUS): _WRITER, (_P, Stage.HANDSHAKE): _WRITER,
     (_P, Stage.DESCRIPTOR_PREP): _WRITER, (_P, Stage.WRITE): _WRITER,
-    (_D, Stage.ALLOCATION): _ENGINE, (_D, Stage.COMPLETION): _ENGINE, (_D, Stage.D_QUEUE): _ENGINE,
+    (_D, Stage.ALLOCATION): _ENGINE, (_D, Stage.READ_WAIT): _ENGINE, (_D, Stage.COMPLETION): _ENGINE, (_D, Stage.D_QUEUE): _ENGINE,
     (_D, Stage.FIRST_TOKEN): _ENGINE, (_D, Stage.DESCRIPTOR_PREP): _ENGINE, (_D, Stage.READ): _ENGINE,
     (_D, Stage.HANDSHAKE): _ENGINE, (_D, Stage.REGISTRATION): _WRITER,
 }
 """The thread of its process each stage is timed on (push: P's ``nixl-push-writer`` and D's
-registration sender; pull: D's engine loop posts the READ). A waterfall draws one lane per
+registration sender; pull: D's engine loop posts the READ; input: the API server in front of
+the engine, timed by the engine from vLLM's arrival time). A waterfall draws one lane per
 (side, thread)."""
 """The value of ``kvtrace.stage`` (and the ``stage`` label of metrics) for each stage."""
 
@@ -233,6 +269,16 @@ registration sender; pull: D's engine loop posts the READ). A waterfall draws on
 PARAM_TRACEPARENT: Final = "kvtrace_traceparent"
 """Key in vLLM's ``kv_transfer_params`` carrying the W3C ``traceparent`` router → P and D (and
 P's returned params → router → D in pull). vLLM passes the key on without reading it."""
+
+PARAM_RECEIVED: Final = "kvtrace_received_ns"
+"""Key in ``kv_transfer_params``, the last of the last object of a leg's body, that kvtrace's router
+sends as :data:`RECEIVED_PLACEHOLDER`; kvtrace's ASGI middleware in vLLM's API server
+(``--middleware kvtrace.connector.RequestReceipt``) overwrites it with the wall time the request
+reached the server, so the engine's input stage starts there rather than at vLLM's own
+``arrival_time`` (taken after the HTTP body is parsed and validated)."""
+
+RECEIVED_PLACEHOLDER: Final = "0" * 19
+"""19 zero digits: room for a wall-clock ns value, overwritten in place (the body keeps its length)."""
 
 ATTR_CATEGORY: Final = "kvtrace.category"
 """The stage's :class:`Category` value; set by kvtrace on every span it exports."""
@@ -335,6 +381,9 @@ RES_SERVICE_NAME: Final = "service.name"
 
 RES_SERVICE_INSTANCE_ID: Final = "service.instance.id"
 """Unique per process (host, pid and a random suffix)."""
+
+RES_HOST_NAME: Final = "host.name"
+"""The host the process runs on (OpenTelemetry's name): processes on one host share one clock."""
 
 RES_ROLE: Final = "kvtrace.role"
 """A :class:`Role` value."""

@@ -60,7 +60,11 @@ def test_producer_queue_prefill_and_release(build_connector, spans, connector_na
     connector.update_connector_output(KVConnectorOutput(finished_sending={req.request_id},
                                                         kv_connector_worker_meta=report))
     stages = by_stage(spans())
-    assert set(stages) == {"p_queue", "prefill", "completion"}
+    assert set(stages) == {"p_input", "p_queue", "prefill", "completion"}
+    # P's input: from vLLM's arrival time (the API server, before tokenising) to admission
+    (p_input,) = stages["p_input"]
+    assert p_input.name == "engine.input" and p_input.end_time == stages["p_queue"][0].start_time
+    assert abs(p_input.start_time - int(req.arrival_time * 1e9)) < 2_000_000  # arrival on the wall clock
     prefill = stages["prefill"][0]
     assert prefill.attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
     assert stages["p_queue"][0].end_time <= prefill.start_time
@@ -109,7 +113,7 @@ def test_push_consumer_allocation_registration_completion_queue_first_token(buil
     connector.update_connector_output(KVConnectorOutput())
 
     stages = by_stage(spans())
-    assert set(stages) == {"allocation", "completion", "d_queue", "first_token"}
+    assert set(stages) == {"d_input", "allocation", "completion", "d_queue", "first_token"}
     order = [stages[s][0] for s in ("allocation", "completion", "d_queue", "first_token")]
     for earlier, later in zip(order, order[1:]):
         assert earlier.end_time <= later.start_time
