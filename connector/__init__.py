@@ -15,6 +15,7 @@ loudly if it would not.
 import logging
 from types import SimpleNamespace
 
+from .receipt import RequestReceipt
 from .traced import (
     NixlConnector,
     NixlPullConnector,
@@ -27,7 +28,7 @@ from .traced import (
 __all__ = [
     "NixlConnector", "NixlPullConnector", "NixlPushConnector",
     "TracedNixlConnector", "TracedNixlPullConnector", "TracedNixlPushConnector",
-    "factory_picks_kvtrace",
+    "factory_picks_kvtrace", "RequestReceipt",
 ]
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -31,11 +32,12 @@ from aiohttp import web
 
 from kvtrace.telemetry import Mode, Role, Stage, TelemetryConfig, TraceRef, configure, sampler, semconv
 from kvtrace.telemetry.context import parse_traceparent
-from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
+from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
 
 logger = logging.getLogger("kvtrace.router")
 
 ATTR_STATUS = "http.response.status_code"
+ARRIVED = web.RequestKey("kvtrace_arrived_ns", int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,53 @@ class RouterConfig:
             raise ValueError("--timeout must be positive")
 
 
+class Arrivals:
+    """When each request's bytes reached the router's event loop, for the start of ``pd.request``.
+
+    aiohttp first sees a request in ``RequestHandler.data_received``, about a third of a millisecond
+    (here) before the handler runs; TTFT as the client sees it starts even earlier, so every bit
+    counts. That method is aiohttp's own, not an API: it is wrapped once, and where it (or its
+    request counter) is missing, the router says so and starts ``pd.request`` at the handler."""
+
+    def __init__(self, now: Any) -> None:
+        self._now = now
+        self._pending: dict[int, collections.deque[int]] = {}  # protocol -> arrival times, in order
+        self.active = self._install()
+
+    def _install(self) -> bool:
+        from aiohttp import web_protocol
+
+        handler = web_protocol.RequestHandler
+        original = getattr(handler, "data_received", None)
+        if original is None or "_request_count" not in getattr(handler, "__slots__", ()):
+            logger.error("kvtrace router: aiohttp %s has no RequestHandler.data_received/_request_count; "
+                         "pd.request starts when the handler runs (TTFT reads ~0.4 ms short)", aiohttp.__version__)
+            return False
+        pending, now = self._pending, self._now
+        lost = handler.connection_lost
+
+        def data_received(protocol, data: bytes) -> None:
+            arrived, before = now(), protocol._request_count
+            original(protocol, data)
+            for _ in range(protocol._request_count - before):
+                pending.setdefault(id(protocol), collections.deque()).append(arrived)
+
+        def connection_lost(protocol, exc: BaseException | None) -> None:
+            pending.pop(id(protocol), None)  # the id may be reused by the next connection
+            lost(protocol, exc)
+
+        handler.data_received = data_received
+        handler.connection_lost = connection_lost
+        return True
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every request takes its arrival off its connection's queue (health checks too), in order."""
+        queue = self._pending.get(id(request.protocol))
+        request[ARRIVED] = queue.popleft() if queue else self._now()
+        return await handler(request)
+
+
 class UpstreamError(Exception):
     def __init__(self, status: int, message: str, kind: str) -> None:
         super().__init__(message)
@@ -81,11 +130,13 @@ class Router:
         self._rec = recorder if recorder is not None else configure(telemetry, Role.ROUTER, config.mode)
         self._sampler = trace_sampler if trace_sampler is not None else sampler(telemetry)
         self._session: aiohttp.ClientSession | None = None
+        self._arrivals = Arrivals(self._rec.now)
 
     # ------------------------------------------------------------------ app
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=16 * 1024 * 1024,
+                              middlewares=[self._arrivals.middleware] if self._arrivals.active else [])
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
@@ -108,7 +159,7 @@ class Router:
     # ------------------------------------------------------------------ one request
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        t_in = self._rec.now()
+        t_in = request.get(ARRIVED) or self._rec.now()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -123,7 +174,7 @@ class Router:
         root_parent = TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled)
         engine_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}" + ("" if chat else "-0")
         attrs = {semconv.ATTR_REQUEST_ID: engine_id}
-        headers = {"X-Request-Id": request_id, "traceparent": trace.traceparent}
+        headers = {"X-Request-Id": request_id, "traceparent": trace.traceparent, "Content-Type": "application/json"}
         if auth := request.headers.get("Authorization"):
             headers["Authorization"] = auth
 
@@ -133,20 +184,20 @@ class Router:
         decoded = DecodeProgress()
         try:
             self._rec.record(trace, Stage.PD_ROUTE, t_in, self._rec.now(), attrs)
-            prefill_body = self._prefill_body(body, trace)
+            prefill_body = leg_body(*self._prefill_body(body, trace))
             decode_params = self._push_params(engine_id, trace) if self.config.mode is Mode.PUSH else None
             path = request.path
+            sent: dict[str, int] = {}  # when the decode leg left
             if decode_params is None:  # pull: P first, then relay its params to D
-                p_params = await self._prefill(path, prefill_body, headers)
+                p_params = await self._prefill(path, prefill_body, headers, trace, attrs)
                 t_relay = self._rec.now()
                 p_params = {**p_params, PARAM_TRACEPARENT: trace.traceparent}
-                sent: dict[str, int] = {}
                 stream = self._decode(path, body, p_params, headers, decoded, sent)
                 first_chunk = await anext(stream)
                 self._rec.record(trace, Stage.REGISTRATION, t_relay, sent.get("ns", t_relay), attrs)
             else:  # push: both legs at once
-                prefill = asyncio.ensure_future(self._prefill(path, prefill_body, headers))
-                stream = self._decode(path, body, decode_params, headers, decoded)
+                prefill = asyncio.ensure_future(self._prefill(path, prefill_body, headers, trace, attrs))
+                stream = self._decode(path, body, decode_params, headers, decoded, sent)
                 decode_first = asyncio.ensure_future(anext(stream))
                 try:
                     await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
@@ -156,9 +207,19 @@ class Router:
                     for task in (prefill, decode_first):
                         if not task.done():
                             task.cancel()
-            first_token_ns = self._rec.now()
-            response = await self._respond(request, body, chat, first_chunk, stream)
-            return response
+            if body.get("stream"):  # TTFT ends as the first token leaves for the client: what it sees
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                await response.write(first_chunk)
+                first_token_ns = self._rec.now()
+                self._rec.record(trace, Stage.DECODE_LEG, sent.get("ns", first_token_ns), first_token_ns, attrs)
+                async for event in stream:
+                    await response.write(event)
+                await response.write_eof()
+                return response
+            first_token_ns = self._rec.now()  # a plain response: the first token is in the router's hands
+            self._rec.record(trace, Stage.DECODE_LEG, sent.get("ns", first_token_ns), first_token_ns, attrs)
+            return web.json_response(assemble([first_chunk] + [event async for event in stream], chat))
         except UpstreamError as exc:
             status = exc.status
             return error_response(exc.status, exc.message, exc.kind)
@@ -184,13 +245,12 @@ class Router:
     # ------------------------------------------------------------------ legs
 
     def _prefill_body(self, body: dict, trace: TraceRef) -> dict:
-        out = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None,
-            PARAM_TRACEPARENT: trace.traceparent}}
+        out = {**body, "max_tokens": 1, "stream": False}
         out.pop("stream_options", None)
         out.pop("max_completion_tokens", None)
-        return out
+        return out, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None,
+                     PARAM_TRACEPARENT: trace.traceparent}
 
     def _push_params(self, engine_request_id: str, trace: TraceRef) -> dict:
         c = self.config
@@ -200,10 +260,13 @@ class Router:
                 "remote_request_id": engine_request_id, "remote_block_ids": [],
                 PARAM_TRACEPARENT: trace.traceparent}
 
-    async def _prefill(self, path: str, body: dict, headers: dict) -> dict:
+    async def _prefill(self, path: str, body: bytes, headers: dict, trace: TraceRef, attrs: dict) -> dict:
+        """P's leg: its answer's kv_transfer_params; ``pd.prefill_leg`` spans it (sent -> answered)."""
         assert self._session is not None
-        async with self._session.post(self.config.prefill + path, json=body, headers=headers) as resp:
+        sent = self._rec.now()
+        async with self._session.post(self.config.prefill + path, data=body, headers=headers) as resp:
             payload = await resp.read()
+            self._rec.record(trace, Stage.PREFILL_LEG, sent, self._rec.now(), attrs)
             if resp.status != 200:
                 raise UpstreamError(resp.status, _upstream_message(payload, "prefill"), "upstream_error")
         params = json.loads(payload).get("kv_transfer_params")
@@ -213,15 +276,13 @@ class Router:
         return params
 
     async def _decode(self, path: str, body: dict, params: dict, headers: dict, progress: "DecodeProgress",
-                      sent: dict[str, int] | None = None):
+                      sent: dict[str, int]):
         """Yield D's SSE events (bytes) as they arrive, noting token progress; ``sent["ns"]`` notes
         when the leg left."""
         assert self._session is not None
-        decode_body = {**body, "stream": True, "kv_transfer_params": params,
-                       "stream_options": {"include_usage": True}}
-        if sent is not None:
-            sent["ns"] = self._rec.now()
-        async with self._session.post(self.config.decode + path, json=decode_body, headers=headers) as resp:
+        decode_body = leg_body({**body, "stream": True, "stream_options": {"include_usage": True}}, params)
+        sent["ns"] = self._rec.now()
+        async with self._session.post(self.config.decode + path, data=decode_body, headers=headers) as resp:
             if resp.status != 200:
                 raise UpstreamError(resp.status, _upstream_message(await resp.read(), "decode"),
                                     "upstream_error")
@@ -234,18 +295,14 @@ class Router:
                         progress.saw(event, self._rec.now())
                         yield event + b"\n\n"
 
-    async def _respond(self, request: web.Request, body: dict, chat: bool, first: bytes,
-                       stream: Any) -> web.StreamResponse:
-        if body.get("stream"):
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await response.write(first)
-            async for event in stream:
-                await response.write(event)
-            await response.write_eof()
-            return response
-        events = [first] + [event async for event in stream]
-        return web.json_response(assemble(events, chat))
+
+def leg_body(body: dict, params: dict) -> bytes:
+    """A leg's JSON body: ``kv_transfer_params`` last, ending with the receipt-time placeholder that
+    kvtrace's middleware in the engine's API server overwrites (.connector.receipt)."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    out["kv_transfer_params"] = {**{k: v for k, v in params.items() if k != PARAM_RECEIVED},
+                                 PARAM_RECEIVED: RECEIVED_PLACEHOLDER}
+    return json.dumps(out).encode()
 
 
 class DecodeProgress:
