@@ -11,36 +11,28 @@ tokenisation, the first chunk's way back to the router) is ``unattributed``. Seg
 contiguous and clipped to [arrival, first token], so the categories sum to TTFT exactly and
 none is negative.
 
-Spans from different hosts are put on the router's clock with a per-instance offset
-estimated from causally ordered pairs (P admitted after the router routed; D's first token
-before the router saw it; P's WRITE posted before D saw it land; D's registration sent
-before P received it). Each pair bounds the offset on one side; bounds from recent traces
-are intersected per instance. When zero lies inside them the clocks are taken as they are;
-otherwise the offset is the middle of the intersection.
+Spans from other processes are first put on the trace's router's clock (:mod:`.clocks`: measured
+offsets with an error bound, or offsets inferred from the order of the trace's spans).
 """
 
 from __future__ import annotations
 
-import collections
-import operator
-import statistics
-from dataclasses import dataclass, field
-
 from kvtrace.telemetry import semconv
-from kvtrace.telemetry.semconv import Category, Side, Stage
+from kvtrace.telemetry.semconv import Category
 
+from .breakdown import (
+    CATEGORIES, D_INPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, ROOT, ROUTE, ROUTER,
+    STAGE_CATEGORY, Breakdown,
+)
+from .clocks import ClockAligner, ClockBook
 from .model import SpanRow
 
-ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Side.DECODE))
-ROUTE = (ROUTER, semconv.STAGE_LABELS[Stage.PD_ROUTE])
-ROOT = (ROUTER, semconv.STAGE_LABELS[Stage.PD_REQUEST])
-FIRST_TOKEN = (DECODE, semconv.STAGE_LABELS[Stage.FIRST_TOKEN])
-ALLOCATION = (DECODE, semconv.STAGE_LABELS[Stage.ALLOCATION])
-D_COMPLETION = (DECODE, semconv.STAGE_LABELS[Stage.COMPLETION])
-
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
+# A stage newer senders record is listed with the one it follows in older traces (p_queue waits
+# for P's input, or, without it, for the route), so those still walk the same path.
 PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     "push": {
+        DECODE_LEG: [FIRST_TOKEN],
         FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(PREFILL, "write")],
@@ -50,200 +42,60 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
         (PREFILL, "rendezvous"): [(PREFILL, "prefill"), (PREFILL, "registration")],
         (PREFILL, "registration"): [(DECODE, "registration")],
         (DECODE, "registration"): [(DECODE, "allocation")],
-        (DECODE, "allocation"): [ROUTE],
+        (DECODE, "allocation"): [D_INPUT, ROUTE],
+        D_INPUT: [ROUTE],
         (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [ROUTE],
+        (PREFILL, "p_queue"): [P_INPUT, ROUTE],
+        P_INPUT: [ROUTE],
         ROUTE: [],
     },
     "pull": {
+        DECODE_LEG: [FIRST_TOKEN],
         FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(DECODE, "read")],
         (DECODE, "read"): [(DECODE, "descriptor_prep")],
-        (DECODE, "descriptor_prep"): [(DECODE, "handshake"), (DECODE, "allocation")],
-        (DECODE, "handshake"): [(DECODE, "allocation")],
-        (DECODE, "allocation"): [(ROUTER, "registration")],
-        (ROUTER, "registration"): [(PREFILL, "prefill")],
+        (DECODE, "descriptor_prep"): [(DECODE, "handshake"), READ_WAIT, (DECODE, "allocation")],
+        (DECODE, "handshake"): [READ_WAIT, (DECODE, "allocation")],
+        READ_WAIT: [(DECODE, "allocation")],
+        (DECODE, "allocation"): [D_INPUT, (ROUTER, "registration")],
+        D_INPUT: [(ROUTER, "registration")],
+        (ROUTER, "registration"): [PREFILL_LEG, (PREFILL, "prefill")],
+        PREFILL_LEG: [(PREFILL, "prefill")],
         (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [ROUTE],
+        (PREFILL, "p_queue"): [P_INPUT, ROUTE],
+        P_INPUT: [ROUTE],
         ROUTE: [],
     },
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
 EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
-STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
-"""Each contract stage's category; a stage outside the contract counts as coordination."""
 # stage label -> the detail attributes recorded on it (no other span's attributes are read)
 _DETAILS: dict[str, list[str]] = {}
 for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
     for _stage in _stages:
         _DETAILS.setdefault(semconv.STAGE_LABELS[_stage], []).append(_key)
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
-CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
-_START = operator.attrgetter("start")
-
-
-@dataclass(slots=True)
-class StageTiming:
-    side: str
-    stage: str
-    category: str
-    start: int  # on the router's clock
-    end: int
-    critical_ns: int = 0
-
-    @property
-    def duration(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(slots=True)
-class Breakdown:
-    trace_id: str
-    request_id: str
-    mode: str
-    start_ns: int
-    ttft_ns: int
-    parts: dict[str, int]
-    timings: dict[tuple[str, str], tuple[int, int, str]]  # (side, stage) -> start, end (router's clock), category
-    critical_ns: dict[tuple[str, str], int]  # (side, stage) -> its time on the critical path, where > 0
-    complete: bool
-    missing: list[str]
-    error: bool
-    rendezvous_order: str = ""
-    engine_loop_ns: int = 0
-    transfer_bytes: int = 0
-    transfer_descriptors: int = 0
-    transfer_post_us: int = 0
-    transfer_xfer_us: int = 0
-    prompt_tokens: int = 0
-    prefill_instance: str = ""
-    decode_instance: str = ""
-    offsets_ns: dict[str, int] = field(default_factory=dict)
-    run_id: str = ""
-    e2e_ns: int = 0  # pd.request: client request in -> last byte out
-    output_tokens: int = 0
-    last_token_ns: int = 0  # from the start, as the router saw it; 0 if unknown
-    block_count: int = 0  # KV blocks D allocated for the request
-
-    @property
-    def tpot_ns(self) -> int:
-        """Time per output token after the first, as the router saw it (0 with fewer than 2 tokens)."""
-        if self.output_tokens < 2 or self.last_token_ns <= self.ttft_ns:
-            return 0
-        return (self.last_token_ns - self.ttft_ns) // (self.output_tokens - 1)
-
-    @property
-    def kv_hold_ns(self) -> int:
-        """How long D held the request's KV blocks before its data landed: from the allocation
-        to the transfer's completion on D (push allocates while P prefills; pull after)."""
-        allocation, done = self.timings.get(ALLOCATION), self.timings.get(D_COMPLETION)
-        if allocation is None or done is None:
-            return 0
-        return max(0, done[0] - allocation[1])
-
-    @property
-    def stages(self) -> list[StageTiming]:
-        """Each stage with its times and critical part, in order of start (the store's ``stages`` view)."""
-        stages = [StageTiming(side, stage, category, start, end, self.critical_ns.get((side, stage), 0))
-                  for (side, stage), (start, end, category) in self.timings.items()]
-        return sorted(stages, key=_START)
-
-
-class _SlidingBound:
-    """Max (or min) of the last ``window`` values, O(1) amortised per value (monotonic deque)."""
-
-    def __init__(self, window: int, largest: bool) -> None:
-        self._window = window
-        self._largest = largest
-        self._values: collections.deque[tuple[int, float]] = collections.deque()
-        self._seq = 0
-
-    def add(self, value: float) -> None:
-        self._seq += 1
-        keep_larger = self._largest
-        values = self._values
-        while values and (values[-1][1] <= value if keep_larger else values[-1][1] >= value):
-            values.pop()
-        values.append((self._seq, value))
-        if values[0][0] <= self._seq - self._window:
-            values.popleft()
-
-    @property
-    def value(self) -> float | None:
-        return self._values[0][1] if self._values else None
-
-
-_MEDIAN_EVERY = 16
-
-
-class _InstanceClock:
-    """What the last ``window`` traces say about one instance's offset."""
-
-    __slots__ = ("lower", "upper", "mids", "median", "mids_since_median")
-
-    def __init__(self, window: int) -> None:
-        self.lower = _SlidingBound(window, largest=True)
-        self.upper = _SlidingBound(window, largest=False)
-        self.mids: collections.deque[float] = collections.deque(maxlen=window)
-        self.median: float | None = None  # of mids, refreshed every _MEDIAN_EVERY new ones
-        self.mids_since_median = 0
-
-
-class OffsetEstimator:
-    """Per-instance clock offset (add to the instance's times to get the reference clock),
-    from the bounds of the last ``window`` traces."""
-
-    def __init__(self, window: int = 256) -> None:
-        self._window = window
-        self._clocks: dict[str, _InstanceClock] = {}
-
-    def update(self, instance: str, lower: float | None, upper: float | None) -> int:
-        """Add one trace's bounds for ``instance``; returns its offset estimate."""
-        clock = self._clocks.get(instance)
-        if clock is None:
-            clock = self._clocks[instance] = _InstanceClock(self._window)
-        if lower is not None:
-            clock.lower.add(lower)
-        if upper is not None:
-            clock.upper.add(upper)
-            if lower is not None:
-                clock.mids.append((lower + upper) / 2)
-                clock.mids_since_median += 1
-        return self._estimate(clock)
-
-    @staticmethod
-    def _estimate(clock: _InstanceClock) -> int:
-        lower, upper = clock.lower.value, clock.upper.value
-        if lower is not None and upper is not None and lower > upper:
-            # Jitter made the intersection empty: fall back to the typical per-trace middle
-            # (a median of the window, refreshed every few traces rather than sorted per trace).
-            if not clock.mids:
-                return int((lower + upper) / 2)
-            if clock.median is None or clock.mids_since_median >= _MEDIAN_EVERY:
-                clock.median, clock.mids_since_median = statistics.median(clock.mids), 0
-            return int(clock.median)
-        if (lower is None or lower <= 0) and (upper is None or upper >= 0):
-            return 0  # the clocks are consistent with every causal pair seen: no correction
-        if lower is not None and upper is not None:
-            return int((lower + upper) / 2)  # skew proven: the middle of what is possible
-        return int(lower if lower is not None else upper)
 
 
 class Attributor:
-    def __init__(self) -> None:
-        self.offsets = OffsetEstimator()
+    def __init__(self, clocks: ClockBook | None = None) -> None:
+        self.clocks = ClockAligner(clocks)
 
     def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown:
         index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
         error = False
         mode = ""
         p_any = d_any = None  # a span from P and from D: their instances
+        first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
         for span in spans:
             origin = span.origin
+            known = first_of.get(origin.instance)
+            if known is None or span.start < known.start:
+                first_of[origin.instance] = span
             side = origin.side
             key = (side, span.stage)
             seen = index.get(key)
@@ -260,7 +112,7 @@ class Attributor:
         root = index.get(ROOT)
         if mode not in PREDECESSORS:
             mode = "push"
-        offsets = self._offsets(index, root, mode, p_any, d_any)
+        offsets, bounds, suspect = self.clocks.align(index, root, mode, p_any, d_any, first_of)
         timings: dict[tuple[str, str], tuple[int, int, str]] = {}
         origin = off = None
         for key, span in index.items():
@@ -284,7 +136,7 @@ class Attributor:
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error,
-            offsets_ns=offsets,
+            offsets_ns=offsets, clock_bounds_ns=bounds, clock_suspect=suspect,
             prefill_instance=p_any.origin.instance if p_any else "",
             decode_instance=d_any.origin.instance if d_any else "",
             run_id=_run_id(root, spans),
@@ -303,7 +155,7 @@ class Attributor:
         critical: dict[tuple[str, str], int] = {}
         if end <= start:
             return parts, critical
-        node_key = FIRST_TOKEN
+        node_key = DECODE_LEG if DECODE_LEG in timings else FIRST_TOKEN  # the first token back at the router
         if node_key not in timings:  # no first token: start from whatever ended last
             node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
         t = end
@@ -340,55 +192,6 @@ class Attributor:
         if t > start:
             parts[_UNATTRIBUTED] += t - start
         return parts, critical
-
-    # ------------------------------------------------------------------ clocks
-
-    def _offsets(self, index: dict[tuple[str, str], SpanRow], root: SpanRow | None, mode: str,
-                 p_any: SpanRow | None, d_any: SpanRow | None) -> dict[str, int]:
-        """Offsets to the router's clock (or P's, without a router) for each instance."""
-        offsets: dict[str, int] = {}
-        get = index.get
-        if root is not None:
-            offsets[root.origin.instance] = 0
-            route = get(ROUTE)
-            route_end = route.end if route is not None else root.start
-            ttft = root.attrs.get(_TTFT)
-            first_token_at_router = root.start + int(ttft) if ttft else root.end
-            relay = get((ROUTER, "registration"))  # pull: P's params relayed to D
-            if p_any is not None:
-                p_queue, prefill = get((PREFILL, "p_queue")), get((PREFILL, "prefill"))
-                lower = route_end - p_queue.start if p_queue is not None else None
-                upper = None
-                if prefill is not None:
-                    upper = (relay.start if relay is not None else first_token_at_router) - prefill.end
-                offsets[p_any.origin.instance] = self.offsets.update(p_any.origin.instance, lower, upper)
-            if d_any is not None:
-                after = relay.end if mode == "pull" and relay is not None else route_end
-                allocation, first = get((DECODE, "allocation")), get(FIRST_TOKEN)
-                lower = after - allocation.start if allocation is not None else None
-                upper = first_token_at_router - first.end if first is not None else None
-                p_offset = offsets[p_any.origin.instance] if p_any else 0
-                lower, upper = self._tighten_with_prefill(index, p_offset, lower, upper)
-                offsets[d_any.origin.instance] = self.offsets.update(d_any.origin.instance, lower, upper)
-        elif p_any is not None and d_any is not None:
-            offsets[p_any.origin.instance] = 0
-            lower, upper = self._tighten_with_prefill(index, 0, None, None)
-            offsets[d_any.origin.instance] = self.offsets.update(d_any.origin.instance, lower, upper)
-        return offsets
-
-    @staticmethod
-    def _tighten_with_prefill(index, p_offset: int, lower, upper):
-        """Push: D's registration left before P received it; P posted the WRITE before D saw it land."""
-        get = index.get
-        d_reg, p_reg = get((DECODE, "registration")), get((PREFILL, "registration"))
-        if d_reg is not None and p_reg is not None:
-            bound = p_reg.start + p_offset - d_reg.end
-            upper = bound if upper is None else min(upper, bound)
-        write, d_done = get((PREFILL, "write")), get((DECODE, "completion"))
-        if write is not None and d_done is not None:
-            bound = write.start + p_offset - d_done.start
-            lower = bound if lower is None else max(lower, bound)
-        return lower, upper
 
     # ------------------------------------------------------------------ details
 

@@ -58,7 +58,7 @@ _NO_STAGES: dict[str, str] = {}
 # The span attributes the collector reads; the rest stay in the original, unread.
 WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                            semconv.RES_MODE, semconv.RES_RUN_ID})
+                            semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME})
 _SPAN_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in WANTED_ATTRIBUTES}
 _RESOURCE_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in _RESOURCE_KEYS}
 
@@ -88,6 +88,7 @@ class Origin:
     stages: dict[str, str]  # span name -> stage, for this side's contract spans
     resource: bytes = b""  # the original Resource message
     run_id: str = ""  # the experiment run it serves (kvtrace.run.id), if any
+    host: str = ""  # host.name: processes on one host share one clock
 
     @classmethod
     def of(cls, attributes: dict[str, Any], resource: bytes = b"") -> "Origin":
@@ -97,7 +98,8 @@ class Origin:
         side = SIDE_OF_ROLE.get(role, service)
         return cls(service, str(attributes.get(semconv.RES_SERVICE_INSTANCE_ID) or service), role,
                    str(attributes.get(semconv.RES_MODE) or ""), side, _STAGES_OF_SIDE.get(side, _NO_STAGES),
-                   resource, str(attributes.get(semconv.RES_RUN_ID) or ""))
+                   resource, str(attributes.get(semconv.RES_RUN_ID) or ""),
+                   str(attributes.get(semconv.RES_HOST_NAME) or ""))
 
 
 class SpanRow(NamedTuple):

@@ -775,8 +775,10 @@ class StoreReader:
     # ------------------------------------------------------------------ health
 
     def health(self, f: Filters, points: int = 60) -> dict[str, Any]:
-        """Clock offsets per instance over time, incomplete traces and what they miss, the
-        unattributed share over time, and the collector's own counters over time."""
+        """Each process's measured clock offset to the collector (and its bound) over time, the offsets
+        applied to put processes on their routers' clocks, traces whose span order contradicts a
+        measured offset, incomplete traces and what they miss, the unattributed share over time, and
+        the collector's own counters over time."""
         step = self._step_seconds(f, points)
         where, params = f.where(rollup=True)
         time_where, time_params = Filters(since=f.since, until=f.until).where(rollup=True)
@@ -797,6 +799,13 @@ class StoreReader:
                        sum(requests) AS requests
                 FROM per_side WHERE instance != '' GROUP BY 1, 2 HAVING sum(requests) > 0 ORDER BY 1, 2""",
                 [*params, *params]),
+            "measured": self._table(f"""SELECT to_timestamp(floor(epoch(sent_at) / {step}) * {step}) AS period, instance,
+                                               avg(offset_ms) AS offset_ms, max(bound_ms) AS bound_ms,
+                                               count(*) AS exchanges
+                                        FROM clock_samples WHERE {time_where.replace("minute", "sent_at")}
+                                        GROUP BY 1, 2 ORDER BY 1, 2""", time_params),
+            "suspect": self._table(f"""SELECT sum(clock_suspect) AS suspect, sum(requests) AS requests
+                                       FROM request_rollup WHERE {where}""", params),
             "unattributed": self._table(f"""SELECT to_timestamp(floor(epoch(minute) / {step}) * {step}) AS period, mode,
                                                 sum(unattributed_ms) / sum(ttft_ms) AS share, sum(requests) AS requests
                                          FROM request_rollup WHERE {where} AND complete GROUP BY 1, 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from collections.abc import Callable
 from concurrent import futures
 from http import HTTPStatus
@@ -23,6 +24,9 @@ import grpc
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from kvtrace.telemetry.clock import GRPC_METHOD as CLOCK_GRPC_METHOD
+from kvtrace.telemetry.clock import HTTP_PATH as CLOCK_PATH
+
 from .config import DEFAULT_MAX_BODY_BYTES
 from .httpserver import JSON, HttpServer, authorized, reply, reply_error
 from .model import PermanentError, SpanBatch
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 Consumer = Callable[[SpanBatch], None]
+ClockExchange = Callable[[bytes, int], bytes]
+"""A clock exchange's body and its arrival time in, the answer out (:meth:`.clocks.ClockBook.exchange`)."""
 
 PROTOBUF = "application/x-protobuf"
 
@@ -81,10 +87,11 @@ class OtlpHttpReceiver:
 
     def __init__(self, consume: Consumer, host: str = "127.0.0.1", port: int = 4318, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, clock: ClockExchange | None = None) -> None:
         self._consume = consume
         self._max_body = max_body_bytes
         self._token = bearer_token
+        self._clock = clock
         self._server = HttpServer(self._handle, host, port, name="kvtrace-otlp-http", tls=tls)
 
     @property
@@ -102,12 +109,16 @@ class OtlpHttpReceiver:
         self._server.shutdown()
 
     def _handle(self, method: str, h: BaseHTTPRequestHandler) -> None:
+        arrived = time.time_ns()  # a clock exchange's t2: as soon as the request is read
         content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         try:
             length = int(h.headers.get("Content-Length", ""))
         except ValueError:
             length = -1
-        if method != "POST" or h.path.split("?")[0] != "/v1/traces":
+        path = h.path.split("?")[0]
+        if method == "POST" and path == CLOCK_PATH and self._clock is not None:
+            return self._exchange_clock(h, length, arrived)
+        if method != "POST" or path != "/v1/traces":
             return reply_error(h, HTTPStatus.NOT_FOUND, "unknown path", close=True)
         if not authorized(self._token, h.headers.get("Authorization")):
             return reply_error(h, HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token", close=True)
@@ -135,6 +146,17 @@ class OtlpHttpReceiver:
             return reply(h, HTTPStatus.OK, b"{}", JSON)
         reply(h, HTTPStatus.OK, trace_service_pb2.ExportTraceServiceResponse().SerializeToString(), PROTOBUF)
 
+    def _exchange_clock(self, h: BaseHTTPRequestHandler, length: int, arrived: int) -> None:
+        if not authorized(self._token, h.headers.get("Authorization")):
+            return reply_error(h, HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token", close=True)
+        if not 0 <= length <= 4096:
+            return reply_error(h, HTTPStatus.BAD_REQUEST, "a clock exchange is a small JSON object", close=True)
+        try:
+            answer = self._clock(h.rfile.read(length), arrived)
+        except ValueError as exc:
+            return reply_error(h, HTTPStatus.BAD_REQUEST, str(exc))
+        reply(h, HTTPStatus.OK, answer, JSON)
+
 
 # --------------------------------------------------------------------------------------
 # gRPC
@@ -145,16 +167,31 @@ class _TraceService:
     """``TraceService/Export`` taking raw bytes, so a malformed message is our INVALID_ARGUMENT
     rather than grpcio's INTERNAL deserialisation error."""
 
-    def __init__(self, consume: Consumer, bearer_token: str | None) -> None:
+    def __init__(self, consume: Consumer, bearer_token: str | None, clock: ClockExchange | None = None) -> None:
         self._consume = consume
         self._token = bearer_token
+        self._clock = clock
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
         export = grpc.unary_unary_rpc_method_handler(
             self.export, request_deserializer=None,
             response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString)
-        return grpc.method_handlers_generic_handler(
-            "opentelemetry.proto.collector.trace.v1.TraceService", {"Export": export})
+        handlers = [grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService", {"Export": export})]
+        if self._clock is not None:
+            service, method = CLOCK_GRPC_METHOD.strip("/").split("/")
+            handlers.append(grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
+                self.exchange_clock, request_deserializer=None, response_serializer=None)}))
+        return tuple(handlers)
+
+    def exchange_clock(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        arrived = time.time_ns()
+        if not authorized(self._token, dict(context.invocation_metadata()).get("authorization")):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        try:
+            return self._clock(raw, arrived)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def export(self, raw: bytes, context: grpc.ServicerContext):
         metadata = dict(context.invocation_metadata())
@@ -180,12 +217,12 @@ class OtlpGrpcReceiver:
 
     def __init__(self, consume: Consumer, host: str = "127.0.0.1", port: int = 4317, *,
                  max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None,
-                 workers: int = 4, tls: tuple[str, str] | None = None) -> None:
+                 workers: int = 4, tls: tuple[str, str] | None = None, clock: ClockExchange | None = None) -> None:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-otlp-grpc"),
             options=[("grpc.max_receive_message_length", max_message_bytes)],
         )
-        self._server.add_generic_rpc_handlers((_TraceService(consume, bearer_token).handler(),))
+        self._server.add_generic_rpc_handlers(_TraceService(consume, bearer_token, clock).handlers())
         if tls is not None:  # (certificate file, key file)
             cert, key = (open(path, "rb").read() for path in tls)
             credentials = grpc.ssl_server_credentials([(key, cert)])

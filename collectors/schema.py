@@ -23,6 +23,10 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
   summed bucket counts; sums (means, shares, stacked parts) are exact.
   ``request_rollup`` also sums the clock offsets applied to P's and D's times (and keeps
   their least and greatest).
+* ``clock_samples`` — each sender's measured clock offset to the collector (collector minus
+  sender) and its error bound, per exchange (:mod:`.clocks`); per request, ``clock_offsets`` are
+  what was added to each process's times to put them on the router's clock and
+  ``clock_bounds`` their error bounds (measured instances only).
 * ``collector_runs`` (one row per collector start), ``collector_health`` (its counters over
   time), ``store_state`` (how far the write-ahead log is applied, and the data version).
 
@@ -95,12 +99,15 @@ CREATE TABLE IF NOT EXISTS requests (
     rendezvous_order VARCHAR, engine_loop_ms DOUBLE, transfer_bytes BIGINT, transfer_descriptors BIGINT,
     transfer_post_us BIGINT, transfer_xfer_us BIGINT, block_count INTEGER, kv_hold_ms DOUBLE,
     prefill_instance VARCHAR, decode_instance VARCHAR, complete BOOLEAN, missing VARCHAR, error BOOLEAN,
-    clock_offsets MAP(VARCHAR, BIGINT),
+    clock_offsets MAP(VARCHAR, BIGINT), clock_bounds MAP(VARCHAR, BIGINT), clock_suspect BOOLEAN,
     stage_ids SMALLINT[], stage_start_ns BIGINT[], stage_end_ns BIGINT[], stage_critical_ns BIGINT[],
     flush_id BIGINT, updated_at TIMESTAMPTZ
 );
 CREATE TABLE IF NOT EXISTS stage_keys (
     stage_key SMALLINT PRIMARY KEY, side VARCHAR, stage VARCHAR, category VARCHAR
+);
+CREATE TABLE IF NOT EXISTS clock_samples (
+    instance VARCHAR, sent_at TIMESTAMPTZ, offset_ms DOUBLE, bound_ms DOUBLE
 );
 CREATE TABLE IF NOT EXISTS collector_runs (
     collector_run_id VARCHAR, started_at TIMESTAMPTZ, kvtrace_version VARCHAR, config VARCHAR
@@ -182,14 +189,14 @@ ROLLUPS: Final = (
          ("output_tokens", "BIGINT"), ("engine_loop_ms", "DOUBLE"), ("transfer_bytes", "BIGINT"),
          ("transfer_descriptors", "BIGINT"), ("transfer_post_us", "BIGINT"), ("transfer_xfer_us", "BIGINT"),
          ("kv_hold_ms", "DOUBLE"), ("kv_block_ms", "DOUBLE"), ("prefill_offset_ms", "DOUBLE"),
-         ("decode_offset_ms", "DOUBLE")),
+         ("decode_offset_ms", "DOUBLE"), ("clock_suspect", "BIGINT")),
         f"""SELECT {_FROM_REQUEST}, error, rendezvous_order, {bucket_sql('ttft_ms')},
                    {{s}}count(*), {{s}}sum(ttft_ms), {", ".join(f"{{s}}sum({c})" for c in PART_COLUMNS)},
                    {{s}}sum(e2e_ms), {{s}}sum(output_tokens), {{s}}sum(engine_loop_ms), {{s}}sum(transfer_bytes),
                    {{s}}sum(transfer_descriptors), {{s}}sum(transfer_post_us), {{s}}sum(transfer_xfer_us),
                    {{s}}sum(kv_hold_ms), {{s}}sum(block_count * kv_hold_ms), {{s}}sum(prefill_offset),
-                   {{s}}sum(decode_offset), min(prefill_offset), min(decode_offset), max(prefill_offset),
-                   max(decode_offset)
+                   {{s}}sum(decode_offset), {{s}}count(*) FILTER (WHERE clock_suspect), min(prefill_offset),
+                   min(decode_offset), max(prefill_offset), max(decode_offset)
             FROM (SELECT *, coalesce(clock_offsets[prefill_instance], 0) / 1e6 AS prefill_offset,
                             coalesce(clock_offsets[decode_instance], 0) / 1e6 AS decode_offset
                   FROM requests WHERE {{where}}) GROUP BY ALL""",

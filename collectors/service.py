@@ -22,7 +22,9 @@ from typing import Any
 from kvtrace.telemetry.versions import installed_version
 
 from .assembler import Assembler
-from .attribution import Attributor, Breakdown
+from .attribution import Attributor
+from .breakdown import Breakdown
+from .clocks import ClockBook
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
@@ -50,7 +52,8 @@ class Collector:
         self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync, archive_bytes=config.archive_bytes)
         self._next_release = 0.0
         self.metrics = CollectorMetrics()
-        self.attributor = Attributor()
+        self.clocks = ClockBook(on_sample=self.store.add_clock_sample)
+        self.attributor = Attributor(self.clocks)
         self.assembler = Assembler(self._on_trace, decision_wait_s=config.decision_wait_s,
                                    max_age_s=config.max_age_s, max_traces=config.max_traces,
                                    decided_cache=min(config.max_traces, 2_000))
@@ -87,10 +90,12 @@ class Collector:
             self.metrics.serve(c.metrics_port, c.host)
         if c.grpc_port is not None:
             self.receivers.append(OtlpGrpcReceiver(self.consume, c.host, c.grpc_port, bearer_token=c.bearer_token,
-                                                   max_message_bytes=c.max_body_bytes, tls=self._tls()))
+                                                   max_message_bytes=c.max_body_bytes, tls=self._tls(),
+                                                   clock=self.clocks.exchange))
         if c.http_port is not None:
             self.receivers.append(OtlpHttpReceiver(self.consume, c.host, c.http_port, bearer_token=c.bearer_token,
-                                                   max_body_bytes=c.max_body_bytes, tls=self._tls()))
+                                                   max_body_bytes=c.max_body_bytes, tls=self._tls(),
+                                                   clock=self.clocks.exchange))
         for receiver in self.receivers:
             receiver.start()
         if c.query_port is not None:

@@ -27,7 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from . import schema
-from .attribution import STAGE_CATEGORY, Breakdown
+from .breakdown import STAGE_CATEGORY, Breakdown
 from .model import Origin, SpanBatch, SpanColumns
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Store:
             (side, stage): key for key, side, stage, _ in self._con.execute("SELECT * FROM stage_keys").fetchall()}
         self._breakdowns: dict[str, tuple[Breakdown, bool]] = {}  # trace id -> (breakdown, replaces)
         self._health: list[tuple] = []
+        self._clock_samples: list[tuple] = []
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
         self.committed_at = 0.0  # wall time of this process's last commit
@@ -157,6 +158,11 @@ class Store:
             earlier = self._breakdowns.get(breakdown.trace_id)
             self._breakdowns[breakdown.trace_id] = (breakdown, replaces or (earlier is not None and earlier[1]))
 
+    def add_clock_sample(self, sample: Any) -> None:
+        """One measured offset of a sender (:class:`.clocks.Sample`), written with the next commit."""
+        with self._lock:
+            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
+
     def add_health(self, counters: dict[str, float]) -> None:
         """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
         row = (self.run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
@@ -205,8 +211,9 @@ class Store:
             batches, self._batches, self._rows = self._batches, [], 0
             decided, self._breakdowns = list(self._breakdowns.values()), {}
             health, self._health = self._health, []
+            samples, self._clock_samples = self._clock_samples, []
             position = self._position
-        if not batches and not decided and not health and position is None:
+        if not batches and not decided and not health and not samples and position is None:
             return
         with self._db_lock:  # the origin registry is the writer's too
             flush_id = self.data_version + 1
@@ -236,6 +243,10 @@ class Store:
                     "stage_key": pa.array(list(new_stages.values()), pa.int16()),
                     "side": [side for side, _ in new_stages], "stage": [stage for _, stage in new_stages],
                     "category": [STAGE_CATEGORY.get(stage, "coordination") for _, stage in new_stages]})
+            if samples:
+                instance, sent_at, offset, bound = zip(*samples)
+                tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(
+                    sent_at, pa.timestamp("us", tz="UTC")), "offset_ms": offset, "bound_ms": bound})
             if health:
                 tables["collector_health"] = pa.table(list(zip(*health)),
                                                       names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
@@ -350,6 +361,9 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
     instances: list[str] = []
     instance_offsets: list[int] = []
     clock_offsets = [0]
+    bounded: list[str] = []
+    bounds: list[int] = []
+    clock_bounds = [0]
     for b in breakdowns:  # C-level map/extend: this loop runs for every stage of every trace
         timings = b.timings
         values = timings.values()
@@ -361,6 +375,9 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
         instances.extend(b.offsets_ns)
         instance_offsets.extend(b.offsets_ns.values())
         clock_offsets.append(len(instances))
+        bounded.extend(b.clock_bounds_ns)
+        bounds.extend(b.clock_bounds_ns.values())
+        clock_bounds.append(len(bounded))
     stage_ids = list(map(known.get, keys))
     if None in stage_ids:  # a (side, stage) not seen before
         stage_ids = [found if found is not None else assign(key) for found, key in zip(stage_ids, keys)]
@@ -397,6 +414,9 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
         "error": [b.error for b in breakdowns],
         "clock_offsets": pa.MapArray.from_arrays(pa.array(clock_offsets, pa.int32()), pa.array(instances, pa.string()),
                                                  pa.array(instance_offsets, pa.int64())),
+        "clock_bounds": pa.MapArray.from_arrays(pa.array(clock_bounds, pa.int32()), pa.array(bounded, pa.string()),
+                                                pa.array(bounds, pa.int64())),
+        "clock_suspect": [b.clock_suspect for b in breakdowns],
         "stage_ids": lists(stage_ids, pa.int16()),
         "stage_start_ns": lists(starts, pa.int64()),
         "stage_end_ns": lists(ends, pa.int64()),

@@ -28,7 +28,7 @@ def test_spans_read_back_from_phoenix_equal_what_was_sent(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout.strip().splitlines()[-1])
     sent, received = data["sent"], data["received"]
-    assert len(sent) == 40 and data["forwarded"] == len(sent)
+    assert len(sent) == 18 + 18 + 17 and data["forwarded"] == len(sent)  # two push traces and a pull one
     assert set(received) == set(sent)
     for span_id, want in sent.items():
         got = received[span_id]

@@ -42,13 +42,14 @@ def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str) -> tuple[Re
 
 def build(mode: str = "push", order: str = "registration_first", skew_ms: dict | None = None,
           drop: set[str] = frozenset(), fail: str | None = None, request_id: str = "cmpl-x-0",
-          hosts: str = "0") -> Built:
+          hosts: str = "0", router: str | None = None, at_ms: float = 0.0) -> Built:
     """One request. ``drop`` removes services ("router", "prefill", "decode") or stages
-    ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed."""
+    ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed; ``router`` names the
+    router's instance (default ``router-<hosts>``); ``at_ms`` moves the request later in time."""
     skew = skew_ms or {}
     m = Mode(mode)
     rec = {
-        "router": _recorder(Role.ROUTER, m, skew.get("router", 0), f"router-{hosts}"),
+        "router": _recorder(Role.ROUTER, m, skew.get("router", 0), router or f"router-{hosts}"),
         "prefill": _recorder(Role.PRODUCER, m, skew.get("prefill", 0), f"prefill-{hosts}"),
         "decode": _recorder(Role.CONSUMER, m, skew.get("decode", 0), f"decode-{hosts}"),
     }
@@ -61,14 +62,18 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
         if service in drop or f"{service}:{name}" in drop:
             return
         error = semconv.FailureCause.TRANSFER_FAILED.value if fail == name else None
-        rec[service][0].record(parent, stage, int(start_ms * MS), int(end_ms * MS), {**attrs, **(extra or {})},
+        rec[service][0].record(parent, stage, int((at_ms + start_ms) * MS), int((at_ms + end_ms) * MS),
+                               {**attrs, **(extra or {})},
                                span_id=span_id, error=error)
 
     expected: dict[str, int] = {}
     put("router", Stage.PD_ROUTE, 0, 1)
+    put("prefill", Stage.P_INPUT, 2, 5)  # 1 ms of HTTP after the route: no span covers it
     put("prefill", Stage.P_QUEUE, 5, 6)
     put("prefill", Stage.PREFILL, 6, 150, {semconv.ATTR_INPUT_TOKENS: 2000})
     if mode == "push":
+        put("router", Stage.PREFILL_LEG, 1.5, 151)  # off the path in push: D's stream is
+        put("decode", Stage.D_INPUT, 2, 6)
         put("decode", Stage.ALLOCATION, 6, 7)
         if order == "registration_first":
             put("decode", Stage.REGISTRATION, 7, 9)
@@ -86,24 +91,32 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
         d_ready = r_end + 6
         put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 1500})
         if order == "registration_first":
-            # route 1, rendezvous after prefill ended 2, prep 1, D completion 2; prefill on the path
-            expected = {"compute": (150 - 6) + 7, "queue": 1 + 1, "coordination": 1 + 2 + 1 + 2, "wire": 5}
+            # compute: P input 3, prefill 144, first token 7; coordination: route 1, rendezvous
+            # after prefill ended 2, prep 1, D completion 2, the decode leg after the first token 1
+            expected = {"compute": 3 + 144 + 7, "queue": 1 + 1, "coordination": 1 + 2 + 1 + 2 + 1, "wire": 5}
         else:
-            # P's blocks waited for D's registration, so the path runs through D: route 1,
-            # allocation 1, D's registration 161, prep 1, D completion 2; prefill is off the path
-            expected = {"compute": 7, "queue": 1, "coordination": 1 + 1 + 161 + 1 + 2, "wire": 5}
+            # P's blocks waited for D's registration, so the path runs through D: compute D input 4,
+            # first token 7; coordination route 1, allocation 1, D's registration 161, prep 1,
+            # D completion 2, decode leg 1; prefill is off the path
+            expected = {"compute": 4 + 7, "queue": 1, "coordination": 1 + 1 + 161 + 1 + 2 + 1, "wire": 5}
     else:
-        put("router", Stage.REGISTRATION, 151, 151.5)
+        put("router", Stage.PREFILL_LEG, 1.5, 152)  # P's answer back 2 ms after its prefill ended
+        put("router", Stage.REGISTRATION, 152, 152.5)
+        put("decode", Stage.D_INPUT, 153, 160)  # D tokenises the prompt again
         put("decode", Stage.ALLOCATION, 160, 161)
+        put("decode", Stage.READ_WAIT, 161, 161)  # D's step was idle: the READ was prepared at once
         put("decode", Stage.DESCRIPTOR_PREP, 161, 162, {semconv.ATTR_ON_ENGINE_LOOP: True})
         put("decode", Stage.READ, 162, 170, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
         put("prefill", Stage.COMPLETION, 170.5, 171)
         d_ready = 170
         put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 90_000})
-        expected = {"compute": 144 + 7, "queue": 2, "coordination": 1 + 0.5 + 1 + 1 + 2, "wire": 8}
+        # compute: P input 3, prefill 144, D input 7, first token 7; coordination: route 1, P's
+        # answer back 2, relay 0.5, allocation 1, prep 1, D completion 2, decode leg 1
+        expected = {"compute": 3 + 144 + 7 + 7, "queue": 2, "coordination": 1 + 2 + 0.5 + 1 + 1 + 2 + 1, "wire": 8}
     put("decode", Stage.D_QUEUE, d_ready + 2, d_ready + 3)
     put("decode", Stage.FIRST_TOKEN, d_ready + 3, d_ready + 10)
     ttft_ms = d_ready + 11
+    put("router", Stage.DECODE_LEG, 1.5 if mode == "push" else 152.5, ttft_ms)
     put("router", Stage.PD_REQUEST, 0, ttft_ms + 40, {"kvtrace.router.ttft_ns": int(ttft_ms * MS)},
         span_id=root_id, parent=TraceRef(trace_id, 0))
     expected = {k: int(v * MS) for k, v in expected.items()}

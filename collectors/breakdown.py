@@ -1,0 +1,100 @@
+"""What attribution produces: a request's TTFT split into parts, and each stage on the router's
+clock with its critical part — plus the stage keys every part of the collector names stages by.
+
+A stage key is ``(side, stage label)``: ``("prefill", "write")``. The sides and labels are the
+contract's (:mod:`kvtrace.telemetry.semconv`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+from kvtrace.telemetry import semconv
+from kvtrace.telemetry.semconv import Side, Stage
+
+ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Side.DECODE))
+ROUTE = (ROUTER, semconv.STAGE_LABELS[Stage.PD_ROUTE])
+ROOT = (ROUTER, semconv.STAGE_LABELS[Stage.PD_REQUEST])
+FIRST_TOKEN = (DECODE, semconv.STAGE_LABELS[Stage.FIRST_TOKEN])
+ALLOCATION = (DECODE, semconv.STAGE_LABELS[Stage.ALLOCATION])
+D_COMPLETION = (DECODE, semconv.STAGE_LABELS[Stage.COMPLETION])
+
+DECODE_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.DECODE_LEG])
+PREFILL_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.PREFILL_LEG])
+P_INPUT = (PREFILL, semconv.STAGE_LABELS[Stage.P_INPUT])
+D_INPUT = (DECODE, semconv.STAGE_LABELS[Stage.D_INPUT])
+READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
+STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
+"""Each contract stage's category; a stage outside the contract counts as coordination."""
+CATEGORIES = semconv.BREAKDOWN_CATEGORIES
+_START = operator.attrgetter("start")
+
+
+@dataclass(slots=True)
+class StageTiming:
+    side: str
+    stage: str
+    category: str
+    start: int  # on the router's clock
+    end: int
+    critical_ns: int = 0
+
+    @property
+    def duration(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class Breakdown:
+    trace_id: str
+    request_id: str
+    mode: str
+    start_ns: int
+    ttft_ns: int
+    parts: dict[str, int]
+    timings: dict[tuple[str, str], tuple[int, int, str]]  # (side, stage) -> start, end (router's clock), category
+    critical_ns: dict[tuple[str, str], int]  # (side, stage) -> its time on the critical path, where > 0
+    complete: bool
+    missing: list[str]
+    error: bool
+    rendezvous_order: str = ""
+    engine_loop_ns: int = 0
+    transfer_bytes: int = 0
+    transfer_descriptors: int = 0
+    transfer_post_us: int = 0
+    transfer_xfer_us: int = 0
+    prompt_tokens: int = 0
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    offsets_ns: dict[str, int] = field(default_factory=dict)  # added to each instance's times
+    clock_bounds_ns: dict[str, int] = field(default_factory=dict)  # each measured offset's error bound
+    clock_suspect: bool = False  # a measured offset disagrees with the order of this trace's spans
+    run_id: str = ""
+    e2e_ns: int = 0  # pd.request: client request in -> last byte out
+    output_tokens: int = 0
+    last_token_ns: int = 0  # from the start, as the router saw it; 0 if unknown
+    block_count: int = 0  # KV blocks D allocated for the request
+
+    @property
+    def tpot_ns(self) -> int:
+        """Time per output token after the first, as the router saw it (0 with fewer than 2 tokens)."""
+        if self.output_tokens < 2 or self.last_token_ns <= self.ttft_ns:
+            return 0
+        return (self.last_token_ns - self.ttft_ns) // (self.output_tokens - 1)
+
+    @property
+    def kv_hold_ns(self) -> int:
+        """How long D held the request's KV blocks before its data landed: from the allocation
+        to the transfer's completion on D (push allocates while P prefills; pull after)."""
+        allocation, done = self.timings.get(ALLOCATION), self.timings.get(D_COMPLETION)
+        if allocation is None or done is None:
+            return 0
+        return max(0, done[0] - allocation[1])
+
+    @property
+    def stages(self) -> list[StageTiming]:
+        """Each stage with its times and critical part, in order of start (the store's ``stages`` view)."""
+        stages = [StageTiming(side, stage, category, start, end, self.critical_ns.get((side, stage), 0))
+                  for (side, stage), (start, end, category) in self.timings.items()]
+        return sorted(stages, key=_START)

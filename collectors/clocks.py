@@ -1,0 +1,349 @@
+"""Each process's clock against its trace's router's: measured where senders exchange clock readings
+with the collector (with an error bound), inferred from the order of a trace's spans otherwise.
+
+Senders run an NTP-style exchange with the collector every couple of seconds
+(:mod:`kvtrace.telemetry.clock`): for each, the offset ``θ = ((t2 - t1) + (t3 - t4)) / 2`` (add it
+to the sender's times to get the collector's) and the round trip ``δ = (t4 - t1) - (t3 - t2)``.
+Whatever the network does, the true offset lies within ``θ ± δ/2`` as long as neither direction
+takes negative time, so ``δ/2`` is the sample's error bound.
+
+Per sender the book keeps the last :data:`WINDOW` samples and fits ``θ(t) = a + b·(t - t0)`` to
+the ones whose round trip is near the best (a congested exchange says little), so a clock that
+drifts (NTP slewing, a crystal 50 ppm off) is followed between exchanges. At a used sample the
+line is off the truth by at most its residual plus half the sample's round trip; at a time
+``t`` the bound is the smallest of those among the samples nearest ``t``, each widened by 10 ppm
+of its distance to ``t`` (how far the fitted slope may be off). The fit is recomputed when a sample arrives, not per trace: attribution reads
+it in O(1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace.telemetry import semconv
+
+from .breakdown import DECODE, DECODE_LEG, D_INPUT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, ROUTE, ROUTER
+
+WINDOW = 64
+MAX_SENDERS = 10_000
+_CONGESTED = 1.25  # a sample whose round trip is over 1.25x the best (+ the slack below) is left out
+_SLACK_NS = 50_000
+_DRIFT_ALLOWANCE = 10e-6
+_MAX_DRIFT = 500e-6  # a fitted drift beyond 500 ppm says more about the samples than the clock  # 10 ppm: how far the fitted slope may be off what the clock did
+_TTFT = semconv.ATTR_ROUTER_TTFT_NS
+
+
+class BadExchange(ValueError):
+    """A clock exchange that cannot be read (the sender's to fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    instance: str
+    at: int  # the sender's clock, the exchange's middle
+    offset: int  # collector - sender, ns
+    delay: int  # round trip less the collector's own time, ns
+
+    @property
+    def bound(self) -> int:
+        return self.delay // 2
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """``offset(t) = a + slope * (t - t0)``; at each used sample's time ``times[i]`` within
+    ``errors[i]``, and between them within the nearest one's error plus 10 ppm of the distance."""
+
+    t0: int
+    a: float
+    slope: float
+    times: tuple[int, ...]  # sorted
+    errors: tuple[float, ...]
+
+    def at(self, t: int) -> tuple[int, int]:
+        i = bisect.bisect_left(self.times, t)
+        near = range(max(0, i - 3), min(len(self.times), i + 3))
+        bound = min(self.errors[j] + abs(t - self.times[j]) * _DRIFT_ALLOWANCE for j in near)
+        return int(self.a + self.slope * (t - self.t0)), int(bound)
+
+
+def fit(samples: list[Sample]) -> Fit:
+    best = min(s.delay for s in samples)
+    used = [s for s in samples if s.delay <= best * _CONGESTED + _SLACK_NS]
+    first, last = min(s.at for s in used), max(s.at for s in used)
+    t0 = (first + last) // 2
+    slope = 0.0
+    if len(used) >= 3 and last - first >= 1_000_000_000:  # least squares, in ns around t0
+        xs = [s.at - t0 for s in used]
+        mean_x = sum(xs) / len(xs)
+        mean_y = sum(s.offset for s in used) / len(used)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (s.offset - mean_y) for x, s in zip(xs, used)) / var
+        a = mean_y - slope * mean_x
+    if not slope or abs(slope) > _MAX_DRIFT:  # too few, too close to see a drift, or implausible: the best
+        sample = min(used, key=lambda s: s.delay)
+        slope, a = 0.0, float(sample.offset)
+    # At each used sample the line is off the truth by at most its residual plus half the sample's
+    # round trip; from there on the line's slope is what the clock did, give or take the allowance.
+    used.sort(key=lambda s: s.at)
+    return Fit(t0, a, slope, tuple(s.at for s in used),
+               tuple(abs(s.offset - (a + slope * (s.at - t0))) + s.bound for s in used))
+
+
+class ClockBook:
+    """The samples of every sender and their fits. Exchanges arrive on receiver threads; attribution
+    reads on the pipeline thread."""
+
+    def __init__(self, on_sample: Callable[[Sample], None] | None = None, window: int = WINDOW) -> None:
+        self._samples: collections.OrderedDict[str, collections.deque[Sample]] = collections.OrderedDict()
+        self._fits: dict[str, Fit] = {}
+        self._window = window
+        self._on_sample = on_sample
+        self._lock = threading.Lock()
+
+    def exchange(self, body: bytes, t2: int) -> bytes:
+        """One exchange: take the sender's previous one, answer ``t2`` (when this request arrived,
+        from the receiver) and ``t3`` (now, as the answer leaves)."""
+        try:
+            request = json.loads(body)
+            instance, previous = str(request["instance"]), request.get("previous")  # t1 stays with the sender
+            if not instance or len(instance) > 512:
+                raise ValueError("instance")
+            if previous is not None:
+                t1, t2_prev, t3_prev, t4 = (int(v) for v in previous)
+                self.add(instance, t1, t2_prev, t3_prev, t4)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadExchange(f"clock exchange: {exc}") from None
+        return json.dumps({"t2": t2, "t3": time.time_ns()}).encode()
+
+    def add(self, instance: str, t1: int, t2: int, t3: int, t4: int) -> Sample | None:
+        delay = (t4 - t1) - (t3 - t2)
+        if delay < 0 or t3 < t2 or t4 < t1:
+            return None  # impossible readings (a clock stepped mid-exchange): ignored
+        sample = Sample(instance, (t1 + t4) // 2, ((t2 - t1) + (t3 - t4)) // 2, delay)
+        with self._lock:
+            samples = self._samples.get(instance)
+            if samples is None:
+                samples = self._samples[instance] = collections.deque(maxlen=self._window)
+                while len(self._samples) > MAX_SENDERS:
+                    gone, _ = self._samples.popitem(last=False)
+                    self._fits.pop(gone, None)
+            else:
+                self._samples.move_to_end(instance)
+            samples.append(sample)
+            self._fits[instance] = fit(list(samples))
+        if self._on_sample is not None:
+            self._on_sample(sample)
+        return sample
+
+    def offset(self, instance: str, at: int) -> tuple[int, int] | None:
+        """(collector - sender, error bound) in ns at the sender's time ``at``; None if never measured."""
+        found = self._fits.get(instance)
+        return found.at(at) if found is not None else None
+
+
+# --------------------------------------------------------------------------------------
+# Inferred from span order (senders that do not measure), and the check on measured offsets
+# --------------------------------------------------------------------------------------
+
+
+class _SlidingBound:
+    """Max (or min) of the last ``window`` values, O(1) amortised per value (monotonic deque)."""
+
+    def __init__(self, window: int, largest: bool) -> None:
+        self._window = window
+        self._largest = largest
+        self._values: collections.deque[tuple[int, float]] = collections.deque()
+        self._seq = 0
+
+    def add(self, value: float) -> None:
+        self._seq += 1
+        keep_larger = self._largest
+        values = self._values
+        while values and (values[-1][1] <= value if keep_larger else values[-1][1] >= value):
+            values.pop()
+        values.append((self._seq, value))
+        if values[0][0] <= self._seq - self._window:
+            values.popleft()
+
+    @property
+    def value(self) -> float | None:
+        return self._values[0][1] if self._values else None
+
+
+_MEDIAN_EVERY = 16
+
+
+class _InstanceClock:
+    """What the last ``window`` traces say about one instance's offset."""
+
+    __slots__ = ("lower", "upper", "mids", "median", "mids_since_median")
+
+    def __init__(self, window: int) -> None:
+        self.lower = _SlidingBound(window, largest=True)
+        self.upper = _SlidingBound(window, largest=False)
+        self.mids: collections.deque[float] = collections.deque(maxlen=window)
+        self.median: float | None = None  # of mids, refreshed every _MEDIAN_EVERY new ones
+        self.mids_since_median = 0
+
+
+class OffsetEstimator:
+    """Per-instance clock offset (add to the instance's times to get the reference clock),
+    from the bounds of the last ``window`` traces."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._window = window
+        self._clocks: dict[str, _InstanceClock] = {}
+
+    def update(self, instance: str, lower: float | None, upper: float | None) -> int:
+        """Add one trace's bounds for ``instance``; returns its offset estimate."""
+        clock = self._clocks.get(instance)
+        if clock is None:
+            clock = self._clocks[instance] = _InstanceClock(self._window)
+        if lower is not None:
+            clock.lower.add(lower)
+        if upper is not None:
+            clock.upper.add(upper)
+            if lower is not None:
+                clock.mids.append((lower + upper) / 2)
+                clock.mids_since_median += 1
+        return self._estimate(clock)
+
+    @staticmethod
+    def _estimate(clock: _InstanceClock) -> int:
+        lower, upper = clock.lower.value, clock.upper.value
+        if lower is not None and upper is not None and lower > upper:
+            # Jitter made the intersection empty: fall back to the typical per-trace middle
+            # (a median of the window, refreshed every few traces rather than sorted per trace).
+            if not clock.mids:
+                return int((lower + upper) / 2)
+            if clock.median is None or clock.mids_since_median >= _MEDIAN_EVERY:
+                clock.median, clock.mids_since_median = statistics.median(clock.mids), 0
+            return int(clock.median)
+        if (lower is None or lower <= 0) and (upper is None or upper >= 0):
+            return 0  # the clocks are consistent with every causal pair seen: no correction
+        if lower is not None and upper is not None:
+            return int((lower + upper) / 2)  # skew proven: the middle of what is possible
+        return int(lower if lower is not None else upper)
+
+
+class ClockAligner:
+    """Puts each of a trace's instances on the clock of the trace's own router (or of P, with no
+    router span). Where the book has measured both that instance and the router, the offset is
+    ``θ_instance - θ_router`` (instance -> collector -> router) within the sum of both bounds;
+    otherwise it is inferred from causally ordered pairs of the trace's spans, intersected over
+    recent traces (:class:`OffsetEstimator`, kept per (router, instance): two routers' clocks
+    are two references). The causal pairs check the measured offset too: a trace whose span
+    order it contradicts by more than the bound is flagged ``clock_suspect``.
+
+    Causal pairs: P's API server got the request after the router routed it; P's prefill ended
+    before the router had P's answer; D got its leg after the router sent it (push: after the
+    route; pull: after the relay); D's first token before the router saw it; in push, D's
+    registration left before P received it, and P posted the WRITE before D saw it land."""
+
+    def __init__(self, book: ClockBook | None = None) -> None:
+        self.book = book
+        self.estimator = OffsetEstimator()
+
+    def align(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any,
+              instances: dict[str, Any]) -> tuple[dict[str, int], dict[str, int], bool]:
+        """(offset to add per instance, error bound per measured instance, suspect) for one trace;
+        ``instances``: each process in it, with its earliest span. P and D can each be several
+        processes (engine core and workers): each measured one gets its own offset, one that is not
+        takes that of a process on its host, else its side's."""
+        offsets, bounds, suspect = self._align_sides(index, root, mode, p_any, d_any)
+        if len(instances) > len(offsets):
+            by_host = {span.origin.host: offsets[i] for i, span in instances.items() if i in offsets and span.origin.host}
+            side_offset = {span.origin.side: offsets[i] for i, span in instances.items() if i in offsets}
+            reference = next(iter(offsets), None)
+            measured_reference = (self.book.offset(reference, instances[reference].start)
+                                  if self.book is not None and reference in instances and reference in bounds else None)
+            for instance, span in instances.items():
+                if instance in offsets:
+                    continue
+                measured = self.book.offset(instance, span.start) if measured_reference is not None else None
+                if measured is not None:
+                    offsets[instance] = measured[0] - measured_reference[0]
+                    bounds[instance] = measured[1] + measured_reference[1]
+                else:
+                    offsets[instance] = by_host.get(span.origin.host, side_offset.get(span.origin.side, 0))
+        return offsets, bounds, suspect
+
+    def _align_sides(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any
+                     ) -> tuple[dict[str, int], dict[str, int], bool]:
+        """The router (reference), P's first process and D's first process."""
+        if root is not None:
+            reference, at = root.origin.instance, root.start
+        elif p_any is not None:
+            reference, at = p_any.origin.instance, p_any.start
+        else:
+            return {}, {}, False
+        offsets, bounds = {reference: 0}, {}
+        measured_reference = self.book.offset(reference, at) if self.book is not None else None
+        if measured_reference is not None:
+            bounds[reference] = 0
+        suspect = False
+
+        def place(span: Any, lower: float | None, upper: float | None) -> int:
+            nonlocal suspect
+            instance = span.origin.instance
+            estimate = self.estimator.update((reference, instance), lower, upper)
+            measured = self.book.offset(instance, span.start) if measured_reference is not None else None
+            if measured is None:
+                offsets[instance] = estimate
+                return estimate
+            offset, bound = measured[0] - measured_reference[0], measured[1] + measured_reference[1]
+            offsets[instance], bounds[instance] = offset, bound
+            if (lower is not None and offset < lower - bound) or (upper is not None and offset > upper + bound):
+                suspect = True
+            return offset
+
+        get = index.get
+        if root is None:  # P is the reference: only push's P<->D pairs bound D
+            if d_any is not None:
+                place(d_any, *_tighten_with_prefill(index, 0, None, None))
+            return offsets, bounds, suspect
+        route = get(ROUTE)
+        route_end = route.end if route is not None else root.start
+        ttft = root.attrs.get(_TTFT)
+        first_token_at_router = root.start + int(ttft) if ttft else root.end
+        relay = get((ROUTER, "registration"))  # pull: P's params relayed to D
+        p_offset = 0
+        if p_any is not None:
+            first = get(P_INPUT) or get((PREFILL, "p_queue"))
+            lower = route_end - first.start if first is not None else None
+            prefill, leg = get((PREFILL, "prefill")), get(PREFILL_LEG)
+            answered = leg.end if leg is not None else relay.start if relay is not None else first_token_at_router
+            upper = answered - prefill.end if prefill is not None else None
+            p_offset = place(p_any, lower, upper)
+        if d_any is not None:
+            sent = relay.end if mode == "pull" and relay is not None else route_end
+            first = get(D_INPUT) or get((DECODE, "allocation"))
+            lower = sent - first.start if first is not None else None
+            token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
+            back = leg.end if leg is not None else first_token_at_router
+            upper = back - token.end if token is not None else None
+            place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
+        return offsets, bounds, suspect
+
+
+def _tighten_with_prefill(index, p_offset: int, lower, upper):
+    """Push: D's registration left before P received it; P posted the WRITE before D saw it land."""
+    get = index.get
+    d_reg, p_reg = get((DECODE, "registration")), get((PREFILL, "registration"))
+    if d_reg is not None and p_reg is not None:
+        bound = p_reg.start + p_offset - d_reg.end
+        upper = bound if upper is None else min(upper, bound)
+    write, d_done = get((PREFILL, "write")), get((DECODE, "completion"))
+    if write is not None and d_done is not None:
+        bound = write.start + p_offset - d_done.start
+        lower = bound if lower is None else max(lower, bound)
+    return lower, upper

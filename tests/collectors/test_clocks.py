@@ -1,0 +1,147 @@
+"""Clock alignment: measured offsets with an error bound, followed through drift, checked against
+span order, and used per trace against the trace's own router."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvtrace.collectors.attribution import Attributor
+from kvtrace.collectors.clocks import ClockBook, fit, Sample
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.telemetry import Role, TelemetryConfig, configure
+from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV, parse_clock_shift
+from tests.collectors.traces import BASE_NS, MS, build
+from tests.helpers import wait_until
+
+US = 1_000
+
+
+def exchange(book: ClockBook, instance: str, true_ns: int, skew_ns: int, delay_ns: int, asymmetry: float = 0.5):
+    """One exchange of a sender whose clock reads ``true + skew`` with a collector on true time;
+    ``asymmetry`` is the share of the round trip spent on the way to the collector."""
+    t1 = true_ns + skew_ns
+    t2 = true_ns + int(delay_ns * asymmetry)
+    t3 = t2 + 20 * US  # the collector's own time, left out of the round trip
+    t4 = true_ns + delay_ns + 20 * US + skew_ns
+    return book.add(instance, t1, t2, t3, t4)
+
+
+def test_a_sample_bounds_the_true_offset_whatever_the_asymmetry():
+    book = ClockBook()
+    for asymmetry in (0.0, 0.3, 0.5, 0.9, 1.0):
+        sample = exchange(book, f"s{asymmetry}", BASE_NS, skew_ns=40 * MS, delay_ns=400 * US, asymmetry=asymmetry)
+        assert abs(sample.offset - (-40 * MS)) <= sample.bound == 200 * US
+
+
+def test_the_fit_follows_a_drifting_clock():
+    book = ClockBook()
+    drift = 50e-6  # 50 ppm
+    for i in range(40):  # every 2 s for 80 s
+        true = BASE_NS + i * 2_000 * MS
+        exchange(book, "d", true, skew_ns=int(-25 * MS + drift * i * 2_000 * MS), delay_ns=(300 + 37 * (i % 5)) * US)
+    for i in (3, 17.5, 39):  # between and at exchanges
+        true = BASE_NS + int(i * 2_000 * MS)
+        truth = -(-25 * MS + drift * i * 2_000 * MS)
+        offset, bound = book.offset("d", true - 25 * MS)
+        assert abs(offset - truth) <= bound <= 400 * US, (i, offset - truth, bound)
+    later, bound_later = book.offset("d", BASE_NS + 200_000 * MS)  # 2 minutes past the last exchange
+    assert bound_later > bound  # outside the samples, the bound widens
+
+
+def test_congested_exchanges_are_left_out_of_the_fit():
+    samples = [Sample("x", BASE_NS + i * 1_000 * MS, -10 * MS, 200 * US) for i in range(10)]
+    samples.append(Sample("x", BASE_NS + 11_000 * MS, -10 * MS + 5 * MS, 12 * MS))  # a 12 ms round trip
+    assert abs(fit(samples).at(BASE_NS + 11_000 * MS)[0] - (-10 * MS)) < 50 * US
+
+
+def test_a_process_measures_its_shifted_clock_against_a_live_collector(make_collector, monkeypatch):
+    collector = make_collector()
+    http = next(r for r in collector.receivers if "Http" in type(r).__name__)
+    monkeypatch.setenv(TEST_CLOCK_SHIFT_ENV, "50:50")  # 50 ms ahead, gaining 50 ppm
+    config = TelemetryConfig.load({"endpoint": http.endpoint, "protocol": "http/protobuf",
+                                   "clock_sync_interval_ms": 100, "schedule_delay_ms": 50}, {})
+    recorder = configure(config, Role.PRODUCER)
+    instance = recorder._resource.attributes["service.instance.id"]
+    assert wait_until(lambda: collector.clocks.offset(instance, recorder.wall_ns()) is not None, 10)
+    time.sleep(1.0)  # a few more exchanges
+    offset, bound = collector.clocks.offset(instance, recorder.wall_ns())
+    true = -(recorder.wall_ns() - time.time_ns())  # collector minus sender, read back to back
+    assert abs(offset - true) <= bound + 200 * US, (offset, true, bound)
+    assert abs(offset + 50 * MS) < 2 * MS and bound < 5 * MS
+    assert parse_clock_shift("50:50") == (50 * MS, 50.0)
+    assert wait_until(lambda: collector.store.flush() or collector.store.query(
+        "SELECT count(*) FROM clock_samples WHERE instance = ?", [instance])[0][0] >= 3, 10)
+
+
+def test_the_grpc_collector_answers_exchanges_too(make_collector):
+    collector = make_collector()
+    grpc_receiver = next(r for r in collector.receivers if "Grpc" in type(r).__name__)
+    from kvtrace.telemetry.clock import ClockSync
+
+    sync = ClockSync(grpc_receiver.endpoint, "grpc", "g-1", time.time_ns, interval_ms=1)
+    for _ in range(3):
+        sync.tick()
+        time.sleep(0.01)
+    assert sync.exchanges == 3 and collector.clocks.offset("g-1", time.time_ns()) is not None
+    sync.close()
+
+
+def _rows(built):
+    return [row for request in built.requests for row in SpanBatch.of(request).rows]
+
+
+def _measured(book: ClockBook, skews_ms: dict[str, float], around_ms: float = 0.0):
+    """Exchanges of each instance whose clock is ``skew`` ahead of true time (the collector's)."""
+    for i in range(6):
+        true = BASE_NS + int((around_ms - 5_000 + i * 2_000) * MS)
+        for instance, skew in skews_ms.items():
+            exchange(book, instance, true, int(skew * MS), delay_ns=(250 + 40 * i) * US)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_measured_offsets_undo_any_skew_and_record_their_bound(mode):
+    skew = {"prefill": 50.0, "decode": -50.0}
+    book = ClockBook()
+    _measured(book, {"router-0": 0.0, "prefill-0": skew["prefill"], "decode-0": skew["decode"]})
+    truth = Attributor().attribute(build(mode).trace_id, _rows(build(mode)))
+    skewed = build(mode, skew_ms=skew)
+    breakdown = Attributor(book).attribute(skewed.trace_id, _rows(skewed))
+    for category, ns in truth.parts.items():
+        assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (category, breakdown.parts, truth.parts)
+    for instance, true_offset in (("prefill-0", -skew["prefill"] * MS), ("decode-0", -skew["decode"] * MS)):
+        assert abs(breakdown.offsets_ns[instance] - true_offset) <= breakdown.clock_bounds_ns[instance] < MS
+    assert not breakdown.clock_suspect
+
+
+def test_two_routers_with_different_clocks_are_each_their_traces_reference():
+    book = ClockBook()
+    _measured(book, {"router-a": 0.0, "router-b": 30.0, "prefill-0": 12.0, "decode-0": -7.0})
+    attributor = Attributor(book)
+    truth = Attributor().attribute(build("pull").trace_id, _rows(build("pull")))
+    for name, router_skew in (("router-a", 0.0), ("router-b", 30.0)):
+        built = build("pull", router=name, skew_ms={"router": router_skew, "prefill": 12.0, "decode": -7.0})
+        breakdown = attributor.attribute(built.trace_id, _rows(built))
+        for category, ns in truth.parts.items():
+            assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (name, category)
+        # P's times go to this router's clock: P is 12 ms ahead of true time, the router `router_skew`
+        assert abs(breakdown.offsets_ns["prefill-0"] - (router_skew - 12.0) * MS) <= breakdown.clock_bounds_ns["prefill-0"]
+
+
+def test_a_measurement_the_span_order_contradicts_is_flagged():
+    book = ClockBook()
+    _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 80.0})  # D is measured 80 ms ahead...
+    built = build("push")  # ... but its spans are on true time
+    breakdown = Attributor(book).attribute(built.trace_id, _rows(built))
+    assert breakdown.clock_suspect
+
+
+def test_without_measurements_the_causal_estimate_stands(monkeypatch):
+    built = build("pull", skew_ms={"decode": 40.0})
+    attributor = Attributor(ClockBook())  # nobody exchanged
+    for _ in range(20):
+        breakdown = attributor.attribute(built.trace_id, _rows(build("pull", skew_ms={"decode": 40.0})))
+    assert breakdown.clock_bounds_ns == {} and abs(breakdown.offsets_ns["decode-0"] + 40 * MS) <= 5 * MS
+    assert os.environ.get(TEST_CLOCK_SHIFT_ENV) is None
