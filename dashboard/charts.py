@@ -393,6 +393,20 @@ def clock_offsets(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("time (UTC)"), y=_axis("offset applied (ms; bars: min to max)"))
 
 
+def measured_clocks(rows: Sequence[dict]) -> go.Figure:
+    """Each process's clock offset to the collector as measured by the clock exchange, with its bound."""
+    if not rows:
+        return empty("no clock exchanges recorded (senders behind another collector, or older kvtrace)")
+    data = []
+    for instance in sorted({r["instance"] for r in rows}):
+        points = [r for r in rows if r["instance"] == instance]
+        data.append({"type": "scatter", "mode": "lines+markers", "name": _short(instance), "marker": {"size": 4},
+                     "x": [p["period"] for p in points], "y": [p["offset_ms"] for p in points],
+                     "error_y": {"type": "data", "array": [p["bound_ms"] for p in points], "thickness": 1},
+                     "hovertemplate": "%{x}<br>collector − process: %{y:.3f} ms ± %{error_y.array:.3f}<extra></extra>"})
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("collector clock − process clock (ms; bars: error bound)"))
+
+
 def unattributed_share(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no complete requests")

@@ -8,23 +8,32 @@ f, options = ui.page("Health", "Clock offsets between processes, incomplete trac
                      "the collector's own counters.")
 
 health = data.ask("health", f)
+suspect = health["suspect"].to_pylist()[0]
 left, right = st.columns(2)
 with left:
-    st.subheader("Clock offsets per instance")
-    st.plotly_chart(charts.clock_offsets(health["clocks"].to_pylist()), key="clocks")
-    st.caption("What was added to each process's times to put them on the router's clock (mean per interval).")
+    st.subheader("Each process's clock, measured")
+    st.plotly_chart(charts.measured_clocks(health["measured"].to_pylist()), key="measured")
+    st.caption("From the clock exchange every process runs with the collector: the offset and its error bound "
+               "(half the exchange's round trip). " + (
+                   f"{ui.count(suspect['suspect'])} of {ui.count(suspect['requests'])} traces had span order that "
+                   "contradicts a measured offset (clock_suspect)." if suspect["requests"] else ""))
 with right:
+    st.subheader("Offsets applied, per instance")
+    st.plotly_chart(charts.clock_offsets(health["clocks"].to_pylist()), key="clocks")
+    st.caption("What was added to each process's times to put them on its router's clock (mean per interval).")
+left, right = st.columns(2)
+with left:
     st.subheader("Unattributed share of TTFT")
     st.plotly_chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
     st.caption("Time no span covers. A rising share means a stage stopped reporting, or clocks drifted.")
-
-st.subheader("Incomplete traces and what they miss")
-missing = health["missing"].to_pylist()
-if missing:
-    st.dataframe([{"mode": r["mode"], "missing stages": r["missing"], "requests": r["requests"]} for r in missing],
-                 hide_index=True)
-else:
-    st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
+with right:
+    st.subheader("Incomplete traces and what they miss")
+    missing = health["missing"].to_pylist()
+    if missing:
+        st.dataframe([{"mode": r["mode"], "missing stages": r["missing"], "requests": r["requests"]} for r in missing],
+                     hide_index=True)
+    else:
+        st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
 
 collector = health["collector"].to_pylist()
 left, right = st.columns(2)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV
 from kvtrace.telemetry.semconv import RES_RUN_ID
 
 from . import model as tiny_model
@@ -34,9 +36,26 @@ SHM = Path("/dev/shm")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free 127.0.0.1 port for another process to bind later, outside the kernel's ephemeral range:
+    a port from that range can be taken by any outgoing connection before the other process binds it."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(20_000, 65_000) if not low <= p <= high]
+    for port in random.sample(candidates, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port outside the ephemeral range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
 
 
 @dataclasses.dataclass
@@ -61,6 +80,9 @@ class PairConfig:
     ready_timeout_s: float = 300.0
     run_id: str = ""
     """Tags every span of the pair (engines and router) with ``kvtrace.run.id``."""
+    clock_shift: dict = dataclasses.field(default_factory=dict)
+    """Test-only: ``{"prefill"|"decode"|"router": "SKEW_MS[:DRIFT_PPM]"}``, as if that process ran on
+    a host whose clock is off (``KVTRACE_TEST_CLOCK_SHIFT``)."""
     extra_kvtrace: dict = dataclasses.field(default_factory=dict)
 
     def kvtrace_block(self) -> dict:
@@ -134,6 +156,8 @@ class LocalPair:
                    "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--max-model-len", str(c.max_model_len), "--max-num-seqs", "8",
                    "--kv-transfer-config", json.dumps(kv_config)]
+        if c.tracing:  # the receipt time of each leg, for the engine's input stage
+            command += ["--middleware", "kvtrace.connector.RequestReceipt"]
         if not c.prefix_caching:
             command.append("--no-enable-prefix-caching")
         cores = sorted(os.sched_getaffinity(0))
@@ -157,6 +181,8 @@ class LocalPair:
             "UCX_NET_DEVICES": "lo",  # keep every UCX listener on loopback
             "VLLM_LOGGING_LEVEL": "INFO",
         }
+        if role in c.clock_shift:
+            env[TEST_CLOCK_SHIFT_ENV] = c.clock_shift[role]
         return command, env, pinned
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str], cores: set[int] | None,
@@ -178,24 +204,36 @@ class LocalPair:
                 command, env, cores = self._engine_command(role)
                 url = self.prefill_url if role == "prefill" else self.decode_url
                 self._spawn(role, command, env, cores, url)
-            router_env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp" if c.tracing else "none"}
-            if c.run_id:
-                router_env["OTEL_RESOURCE_ATTRIBUTES"] = f"{RES_RUN_ID}={c.run_id}"
-            if c.otlp_endpoint and c.tracing:
-                router_env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = c.otlp_endpoint
-                router_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = c.kvtrace_block()["protocol"]
-            if not c.tracing:
-                router_env["OTEL_SDK_DISABLED"] = "true"
-            router_cmd = [sys.executable, "-m", "kvtrace", "router", "--mode", c.mode,
-                          "--prefill", self.prefill_url, "--decode", self.decode_url,
-                          "--port", str(self.ports["router"]),
-                          "--prefill-engine-id", PREFILL_ENGINE_ID,
-                          "--prefill-kv-port", str(self.ports["p_kv"])]
-            self._spawn("router", router_cmd, router_env, None, self.router_url)
+            self._spawn_router("router", self.ports["router"], c.clock_shift.get("router"))
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+
+    def _spawn_router(self, name: str, port: int, clock_shift: str | None) -> str:
+        c = self.config
+        env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp" if c.tracing else "none"}
+        if c.run_id:
+            env["OTEL_RESOURCE_ATTRIBUTES"] = f"{RES_RUN_ID}={c.run_id}"
+        if c.otlp_endpoint and c.tracing:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = c.otlp_endpoint
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = c.kvtrace_block()["protocol"]
+        if not c.tracing:
+            env["OTEL_SDK_DISABLED"] = "true"
+        if clock_shift:
+            env[TEST_CLOCK_SHIFT_ENV] = clock_shift
+        command = [sys.executable, "-m", "kvtrace", "router", "--mode", c.mode, "--prefill", self.prefill_url,
+                   "--decode", self.decode_url, "--port", str(port), "--prefill-engine-id", PREFILL_ENGINE_ID,
+                   "--prefill-kv-port", str(self.ports["p_kv"])]
+        url = f"http://127.0.0.1:{port}"
+        self._spawn(name, command, env, None, url)
+        return url
+
+    def add_router(self, clock_shift: str | None = None) -> str:
+        """Another router in front of the same pair (several routers: several clocks); returns its URL."""
+        url = self._spawn_router(f"router-{len(self.procs)}", free_port(), clock_shift)
+        self._wait_ready()
+        return url
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s

@@ -164,6 +164,7 @@ class Generator:
         route = 0.05 + rng.random() * 0.2
         put("router", Stage.PD_ROUTE, 0.0, route)
         p_in = route + 1.2 + tokens * 0.0015  # HTTP and tokenisation on P
+        put("prefill", Stage.P_INPUT, route + 0.3, p_in)
         p_queue = rng.expovariate(1 / (2 + 25 * load ** 3))
         prefill = 8 + tokens * 0.018 * (1 + 0.15 * rng.random())
         put("prefill", Stage.P_QUEUE, p_in, p_in + p_queue)
@@ -180,7 +181,9 @@ class Generator:
         allocation_attrs = (_len(9, _kv(semconv.ATTR_INPUT_TOKENS, tokens))
                             + _len(9, _kv(semconv.ATTR_BLOCK_COUNT, blocks)))
         if mode == "push":
+            put("router", Stage.PREFILL_LEG, route, p_end + 0.8)
             d_in = route + 1.0 + tokens * 0.0015
+            put("decode", Stage.D_INPUT, route + 0.3, d_in)
             alloc_end = d_in + 0.3 + rng.random() * 0.4
             put("decode", Stage.ALLOCATION, d_in, alloc_end, allocation_attrs)
             reg_sent = alloc_end + (0.3 if rng.random() > w.late_registration_rate else prefill * (1.1 + rng.random()))
@@ -200,14 +203,19 @@ class Generator:
             tpot = 7.0 * (1 + 0.2 * load) * (1 + 0.05 * rng.random())
         else:
             relay_start = p_end + 1.0
+            put("router", Stage.PREFILL_LEG, route, relay_start)
             relay_end = relay_start + 0.4 + rng.random() * 0.3
             put("router", Stage.REGISTRATION, relay_start, relay_end)
             d_in = relay_end + 1.0 + tokens * 0.0015
+            put("decode", Stage.D_INPUT, relay_end + 0.3, d_in)
             alloc_end = d_in + 0.3 + rng.random() * 0.4 + rng.expovariate(1 / (1 + 8 * load ** 2))
             put("decode", Stage.ALLOCATION, d_in, alloc_end, allocation_attrs)
             prep = 0.2 + blocks * 0.012
+            step = rng.expovariate(1 / (0.5 + 6 * load ** 2))  # D's step reaches the READ after its forward
+            put("decode", Stage.READ_WAIT, alloc_end, alloc_end + step)
+            alloc_end += step
             put("decode", Stage.DESCRIPTOR_PREP, alloc_end, alloc_end + prep, _len(9, _kv(semconv.ATTR_ON_ENGINE_LOOP, True)))
-            r_start = alloc_end + prep + rng.expovariate(1 / (0.5 + 6 * load ** 2))  # READ posted on the next step
+            r_start = alloc_end + prep
             put("decode", Stage.READ, r_start, r_start + wire, transfer, error)
             landed = r_start + wire
             put("prefill", Stage.COMPLETION, landed + 0.3, landed + 0.8)
@@ -222,6 +230,7 @@ class Generator:
         ft_end = done + d_queue + first_token
         put("decode", Stage.FIRST_TOKEN, done + d_queue, ft_end)
         ttft = ft_end + 0.6 + rng.random() * 0.8
+        put("router", Stage.DECODE_LEG, route if mode == "push" else relay_end, ttft)
         last = ttft + (w.output_tokens - 1) * tpot
         root = (_len(9, _kv(semconv.ATTR_REQUEST_ID, f"cmpl-syn{i}-0"))
                 + _len(9, _kv(semconv.ATTR_ROUTER_TTFT_NS, int(ttft * MS)))

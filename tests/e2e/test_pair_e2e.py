@@ -10,18 +10,19 @@ from tests.e2e.pair import (
     TOLERANCE_NS, Call, concurrent_sends, expected_kv_bytes, prompt, run_mode, send, trace_of,
 )
 
-ROUTER = {"pd.request", "pd.route"}
+ROUTER = {"pd.request", "pd.route", "pd.prefill_leg", "pd.decode_leg"}
 EXPECTED = {
     "push": {
         "kvtrace-router": ROUTER,
-        "vllm-prefill": {"p_queue", "prefill", "registration", "rendezvous", "descriptor_prep",
+        "vllm-prefill": {"p_input", "p_queue", "prefill", "registration", "rendezvous", "descriptor_prep",
                          "write", "completion"},
-        "vllm-decode": {"allocation", "registration", "completion", "d_queue", "first_token"},
+        "vllm-decode": {"d_input", "allocation", "registration", "completion", "d_queue", "first_token"},
     },
     "pull": {
         "kvtrace-router": ROUTER | {"registration"},
-        "vllm-prefill": {"p_queue", "prefill", "completion"},
-        "vllm-decode": {"allocation", "descriptor_prep", "read", "completion", "d_queue", "first_token"},
+        "vllm-prefill": {"p_input", "p_queue", "prefill", "completion"},
+        "vllm-decode": {"d_input", "allocation", "read_wait", "descriptor_prep", "read", "completion", "d_queue",
+                        "first_token"},
     },
 }
 LEASE_S = 30  # vLLM's default kv_lease_duration
@@ -91,7 +92,9 @@ def test_parentage_and_time_order(run):
         def before(a, b):  # span a ends before span b starts
             assert stage[a]["end"] <= stage[b]["start"] + TOLERANCE_NS, (call.request_id, a, b)
 
+        before(("vllm-prefill", "p_input"), ("vllm-prefill", "p_queue"))
         before(("vllm-prefill", "p_queue"), ("vllm-prefill", "prefill"))
+        before(("vllm-decode", "d_input"), ("vllm-decode", "allocation"))
         if mode == "push":
             # The rendezvous completes only once P's KV is ready, whoever came first.
             assert stage[("vllm-prefill", "prefill")]["end"] <= \
@@ -100,8 +103,8 @@ def test_parentage_and_time_order(run):
             chain = [("vllm-prefill", "rendezvous"), ("vllm-prefill", "descriptor_prep"),
                      ("vllm-prefill", "write")]
         else:
-            chain = [("vllm-prefill", "prefill"), ("kvtrace-router", "registration"),
-                     ("vllm-decode", "allocation"), ("vllm-decode", "descriptor_prep"),
+            chain = [("vllm-prefill", "prefill"), ("kvtrace-router", "registration"), ("vllm-decode", "d_input"),
+                     ("vllm-decode", "allocation"), ("vllm-decode", "read_wait"), ("vllm-decode", "descriptor_prep"),
                      ("vllm-decode", "read")]
         for earlier, later in zip(chain, chain[1:]):
             before(earlier, later)
@@ -109,6 +112,9 @@ def test_parentage_and_time_order(run):
         assert transfer["start"] <= stage[("vllm-decode", "completion")]["end"]
         before(("vllm-decode", "completion"), ("vllm-decode", "d_queue"))
         before(("vllm-decode", "d_queue"), ("vllm-decode", "first_token"))
+        # the router's legs: D's first token (and, in pull, P's prefill) end inside them
+        assert stage[("vllm-decode", "first_token")]["end"] <= stage[("kvtrace-router", "decode_leg")]["end"] + TOLERANCE_NS
+        assert stage[("vllm-prefill", "prefill")]["end"] <= stage[("kvtrace-router", "prefill_leg")]["end"] + TOLERANCE_NS
 
 
 def test_transfer_bytes_equal_the_prompts_kv_blocks(run):

@@ -1,0 +1,180 @@
+"""A real pair whose P and D run on "other hosts' clocks" (P +50 ms, D -50 ms, both drifting 50 ppm,
+through the test-only clock shift), two routers on different clocks, one live collector.
+
+Each request's breakdown from the live collector (offsets measured by the clock exchange) must
+match, within 0.5 ms per part, the breakdown of the same spans with the shift taken out exactly
+(every clock true, offsets zero); each applied offset must lie within its recorded bound of the
+true one; unattributed time must be at most 5 % of TTFT at p50; and the router's TTFT must be
+what a streaming client measures, within 2 ms at p50.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from kvtrace.collectors.attribution import Attributor
+from kvtrace.collectors.clocks import ClockBook
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.reader import PART_COLUMNS, PARTS, Filters, open_store
+from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ATTRIBUTE, unshift
+from kvtrace.testbed.launch import LocalPair, PairConfig, free_port
+from tests.e2e.pair import prompt
+from tests.helpers import wait_until
+
+SHIFTS = {"prefill": "50:50", "decode": "-50:50"}
+SECOND_ROUTER = "20:0"  # a second router whose clock is 20 ms ahead of the first's
+MS = 1_000_000
+
+
+_CONNECTIONS: dict[str, http.client.HTTPConnection] = {}
+
+
+def stream(base_url: str, request_id: str, text: str, max_tokens: int = 8) -> float:
+    """A streaming completion on a kept-alive connection, as API clients do; returns the client's
+    TTFT (request sent -> first token chunk read), s."""
+    url = urlparse(base_url)
+    body = json.dumps({"model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    connection = _CONNECTIONS.get(base_url)
+    if connection is None:
+        connection = _CONNECTIONS[base_url] = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    started = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                          "X-Request-Id": request_id})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    first = None
+    for line in response:
+        if line.startswith(b"data: ") and b'"choices":[{' in line.replace(b" ", b"") and first is None:
+            first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+@pytest.fixture(scope="module", params=["push", "pull"])
+def shifted(request, tmp_path_factory):
+    """The pair, a second router and a collector, each in processes of their own, as deployed."""
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"clocks-{mode}")
+    db, port = str(tmp / "c.duckdb"), free_port()
+    log = open(tmp / "collector.log", "wb")
+    collector = subprocess.Popen([sys.executable, "-m", "kvtrace", "collector", "--db", db, "--grpc-port", "-1",
+                                  "--http-port", str(port), "--decision-wait", "1.0"], stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    calls = []
+    try:
+        assert wait_until(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 30)
+        with LocalPair(PairConfig(mode=mode, otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces", clock_shift=SHIFTS,
+                                  log_dir=tmp / "pair")) as pair:
+            second = pair.add_router(clock_shift=SECOND_ROUTER)
+            time.sleep(3)  # a few clock exchanges from every process before the first request
+            for i in range(12):
+                router = second if i % 3 == 2 else pair.router_url
+                request_id = f"clk-{mode}-{i}"
+                calls.append((request_id, router, stream(router, request_id, prompt(300 + i, (40, 400, 900)[i % 3]))))
+            reader = open_store(db)
+            assert wait_until(lambda: reader.kpis(Filters())["requests"] - reader.kpis(Filters())["incomplete"]
+                              == len(calls), 60), reader.kpis(Filters())
+            time.sleep(2)  # P's releases, decided late, settle
+        _CONNECTIONS.clear()
+        yield {"mode": mode, "reader": reader, "calls": calls, "second": second}
+    finally:
+        os.killpg(collector.pid, signal.SIGTERM)
+        collector.wait(30)
+        log.close()
+
+
+def _true_breakdown(reader, trace_id: str):
+    """The trace's spans with every shift taken out, attributed with every offset measured as 0."""
+    request = ExportTraceServiceRequest.FromString(reader.source.trace_originals(trace_id))
+    instances = set()
+    for rs in request.resource_spans:
+        attributes = {a.key: a.value.string_value for a in rs.resource.attributes}
+        instances.add(attributes["service.instance.id"])
+        shift = attributes.get(TEST_CLOCK_SHIFT_ATTRIBUTE)
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                if shift:
+                    span.start_time_unix_nano = unshift(span.start_time_unix_nano, shift)
+                    span.end_time_unix_nano = unshift(span.end_time_unix_nano, shift)
+    rows = SpanBatch.of(request).rows
+    book = ClockBook()
+    for instance in instances:  # every clock true: a perfect exchange
+        now = min(r.start for r in rows)
+        book.add(instance, now, now, now, now)
+    return Attributor(book).attribute(trace_id, rows), request
+
+
+def _exported(true_ns: int, shift: str | None) -> int:
+    if not shift:
+        return true_ns
+    skew, ppm, epoch = shift.split(":")
+    return true_ns + int(skew) + int((true_ns - int(epoch)) * float(ppm) * 1e-6)
+
+
+def test_each_request_splits_the_same_as_on_true_clocks(shifted):
+    reader = shifted["reader"]
+    rows = reader.sql("SELECT trace_id, ttft_ms, " + ", ".join(PART_COLUMNS) + ", clock_offsets, clock_bounds, "
+                      "clock_suspect FROM requests WHERE complete").to_pylist()
+    assert len(rows) == len(shifted["calls"])
+    worst = 0.0
+    errors = []
+    for row in rows:
+        truth, request = _true_breakdown(reader, row["trace_id"])
+        for part, column in zip(PARTS, PART_COLUMNS):
+            error = abs(row[column] - truth.parts[part] / MS)
+            worst = max(worst, error)
+            assert error <= 0.5, (shifted["mode"], row["trace_id"], part, row[column], truth.parts[part] / MS)
+        assert not row["clock_suspect"]
+        # every applied offset lies within its bound of the true one (router minus instance, both exported)
+        shifts = {}
+        for rs in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in rs.resource.attributes}
+            shifts[attributes["service.instance.id"]] = (attributes.get("kvtrace.role"),
+                                                         attributes.get(TEST_CLOCK_SHIFT_ATTRIBUTE))
+        router_shift = next(shift for role, shift in shifts.values() if role == "router")
+        at = truth.start_ns
+        offsets, bounds = dict(row["clock_offsets"]), dict(row["clock_bounds"])
+        for instance, (role, shift) in shifts.items():
+            if role == "router":
+                continue
+            true_offset = _exported(at, router_shift) - _exported(at, shift)
+            errors.append((abs(offsets[instance] - true_offset), role, bounds[instance]))
+            assert abs(offsets[instance] - true_offset) <= bounds[instance], (instance, offsets[instance],
+                                                                             true_offset, bounds[instance])
+    bounds = sorted(b for r in rows for _, b in r["clock_bounds"] if b)
+    errors.sort()
+    print(f"\n{shifted['mode']}: offset errors (ms) p50 {errors[len(errors) // 2][0] / MS:.3f}, max "
+          f"{errors[-1][0] / MS:.3f} ({errors[-1][1]}, bound {errors[-1][2] / MS:.3f})")
+    print(f"\n{shifted['mode']}: worst part difference with P +50 ms, D -50 ms (50 ppm) and two routers: "
+          f"{worst:.3f} ms; error bounds p50 {statistics.median(bounds) / MS:.3f} ms, max {bounds[-1] / MS:.3f} ms")
+
+
+def test_unattributed_is_at_most_five_percent_of_ttft_at_p50(shifted):
+    rows = shifted["reader"].sql("SELECT ttft_ms, unattributed_ms FROM requests WHERE complete").to_pylist()
+    shares = sorted(r["unattributed_ms"] / r["ttft_ms"] for r in rows)
+    p50, p90 = statistics.median(shares), shares[int(0.9 * (len(shares) - 1))]
+    print(f"\n{shifted['mode']}: unattributed share of TTFT p50 {p50:.1%}, p90 {p90:.1%}")
+    assert p50 <= 0.05
+
+
+def test_the_router_ttft_is_what_a_streaming_client_sees(shifted):
+    reader = shifted["reader"]
+    differences = []
+    for request_id, _, client_s in shifted["calls"]:
+        (row,) = reader.sql("SELECT ttft_ms FROM requests WHERE request_id = ?", [f"cmpl-{request_id}-0"]).to_pylist()
+        differences.append(client_s * 1e3 - row["ttft_ms"])
+    print(f"\n{shifted['mode']}: client TTFT minus router TTFT, ms: median {statistics.median(differences):.2f}, "
+          f"min {min(differences):.2f}, max {max(differences):.2f}")
+    assert statistics.median(differences) <= 2.0 and min(differences) >= -0.5
