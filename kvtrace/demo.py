@@ -103,6 +103,12 @@ def _report(store, f, modes: list[str]) -> None:
                         ("ttft_p90_ms", "p90", ".1f"), ("compute_ms", "compute", ".1f"), ("queue_ms", "queue", ".1f"),
                         ("coordination_ms", "coordination", ".1f"), ("wire_ms", "wire", ".1f"),
                         ("unattributed_ms", "unattributed", ".1f")]))
+    where, params = f.where(rollup=False)
+    shares = {r["mode"]: r for r in store.sql(
+        f"SELECT mode, quantile_cont(unattributed_ms / ttft_ms, 0.5) AS p50, quantile_cont(unattributed_ms / ttft_ms, 0.9) "
+        f"AS p90 FROM requests WHERE {where} AND complete AND ttft_ms > 0 GROUP BY mode", params).to_pylist()}
+    print("unattributed share of TTFT: " + "; ".join(
+        f"{mode} p50 {shares[mode]['p50']:.1%}, p90 {shares[mode]['p90']:.1%}" for mode in modes if mode in shares))
     stages = store.stage_table(f)
     for mode in modes:
         print(f"\n{mode}: each stage, median duration and its mean time on the critical path (ms)")
