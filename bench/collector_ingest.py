@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue  # noqa: E402
 
-from kvtrace.collectors.peers import rotel_binary  # noqa: E402
+from kvtrace.testbed.peers import rotel_binary  # noqa: E402
 from kvtrace.testbed.launch import free_port  # noqa: E402
 
 EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"

@@ -22,20 +22,18 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
-
 from kvtrace.telemetry import semconv
 from kvtrace.telemetry.context import TraceRef, parse_traceparent
-from kvtrace.telemetry.semconv import FailureCause, HandshakeKind, RendezvousOrder, Stage
+from kvtrace.telemetry.semconv import FailureCause, HandshakeKind, Stage
 
 from .guard import Guard
-from .protocol import META_TRACES, REG_KEY, WorkerReport, base_request_id
+from .nixl_agent import TracedNixlAgent
+from .protocol import META_TRACES, WorkerReport, base_request_id
+from .push_rendezvous import _MAX_TRACKED, PUSH_REG_PREFIX, PushRendezvous, _bounded_put, _registration_ref
 
 logger = logging.getLogger(__name__)
 
-PUSH_REG_PREFIX = b"PUSH_REG:"
 HEARTBEAT_PREFIX = b"HB:"
-_MAX_TRACKED = 65_536  # requests whose context a worker remembers (oldest forgotten first)
 
 WRAPPED_METHODS = {
     "pull": ("_read_blocks_for_req", "_ensure_handshake", "_reap_expired_send_leases"),
@@ -55,7 +53,7 @@ class _InFlight:
         self.telemetry: dict[str, Any] = {}
 
 
-class WorkerTracing:
+class WorkerTracing(PushRendezvous):
     """Per worker: trace contexts by request, in-flight transfers, rendezvous halves."""
 
     def __init__(self, recorder: Any, mode: str, engine_id: str, guard: Guard) -> None:
@@ -191,79 +189,6 @@ class WorkerTracing:
                 self._guard.run(self._record_prep, request_id, False)
         return xfer_blocks_for_req
 
-    def _wrap_send_registration_to_p(self, original):
-        # Push D, writer thread: handshake with P if needed, then send PUSH_REG.
-        def send_registration_to_p(req_id, reg_data, *args, **kwargs):
-            ref = self.ref_for(req_id) or self._guard.run(_registration_ref, reg_data)
-            self._guard.run(self._working_for, req_id, ref)
-            return original(req_id, reg_data, *args, **kwargs)
-        return send_registration_to_p
-
-    def _wrap_do_send_reg_notif(self, original):
-        def do_send_reg_notif(req_id, reg_data, *args, **kwargs):
-            result = original(req_id, reg_data, *args, **kwargs)
-            self._guard.run(self._record_registration_sent, req_id, reg_data)
-            return result
-        return do_send_reg_notif
-
-    def _record_registration_sent(self, request_id: str, registration: dict) -> None:
-        ref = self.ref_for(request_id) or _registration_ref(registration)
-        now = self._rec.now()
-        start = (registration.get(REG_KEY) or {}).get("allocated_ns", now)
-        self._rec.record(ref, Stage.REGISTRATION, min(start, now), now, self._attrs(request_id))
-
-    def _wrap_handle_push_reg_notif(self, original):
-        def handle_push_reg_notif(notif, *args, **kwargs):
-            self._local.registration_arrived = self._rec.now()
-            self._local.registration_notif = notif
-            return original(notif, *args, **kwargs)
-        return handle_push_reg_notif
-
-    def _wrap_pop_matching_finished_blocks(self, original):
-        # Push P, writer: a registration arrived; are P's blocks already waiting for it?
-        def pop_matching_finished_blocks(request_id, *args, **kwargs):
-            match = original(request_id, *args, **kwargs)
-            self._guard.run(self._on_registration, request_id, match)
-            return match
-        return pop_matching_finished_blocks
-
-    def _on_registration(self, d_request_id: str, match: Any) -> None:
-        arrived = getattr(self._local, "registration_arrived", 0) or self._rec.now()
-        ref = self.ref_for(d_request_id)
-        if ref is None:  # P has not seen this request yet: read D's context from the payload
-            ref = _registration_ref(_decode_registration(getattr(self._local, "registration_notif", b"")))
-            self.remember(d_request_id, ref)
-        attrs = self._attrs(d_request_id)
-        self._rec.record(ref, Stage.REGISTRATION, arrived, arrived, attrs)  # received on P
-        if match is None:
-            _bounded_put(self._registration_arrived, d_request_id, arrived)
-            return
-        p_request_id = match[0]
-        blocks_arrived = self._blocks_arrived.pop(p_request_id, arrived)
-        self._rec.record(ref or self.ref_for(p_request_id), Stage.RENDEZVOUS, blocks_arrived,
-                         self._rec.now(), {**attrs, semconv.ATTR_RENDEZVOUS_ORDER:
-                                           RendezvousOrder.KV_FIRST.value})
-
-    def _wrap_pop_matching_registration(self, original):
-        # Push P, writer: P's blocks arrived; is D's registration already waiting?
-        def pop_matching_registration(request_id, *args, **kwargs):
-            arrived = self._rec.now()
-            registration = original(request_id, *args, **kwargs)
-            self._guard.run(self._on_blocks, request_id, registration, arrived)
-            return registration
-        return pop_matching_registration
-
-    def _on_blocks(self, p_request_id: str, registration: dict | None, arrived: int) -> None:
-        if registration is None:
-            _bounded_put(self._blocks_arrived, p_request_id, arrived)
-            return
-        d_request_id = registration.get("request_id", p_request_id)
-        registered = self._registration_arrived.pop(d_request_id, arrived)
-        ref = self.ref_for(p_request_id) or _registration_ref(registration)
-        self._rec.record(ref, Stage.RENDEZVOUS, registered, self._rec.now(),
-                         {**self._attrs(p_request_id), semconv.ATTR_RENDEZVOUS_ORDER:
-                          RendezvousOrder.REGISTRATION_FIRST.value})
-
     def _wrap_ensure_handshake(self, original):
         # Any thread: returns None when connected, else the Future of a handshake.
         def ensure_handshake(*args, **kwargs):
@@ -353,72 +278,3 @@ class WorkerTracing:
                 if message.startswith(PUSH_REG_PREFIX) or message.startswith(HEARTBEAT_PREFIX):
                     continue
                 self.mark_ready(message.decode(errors="replace").rsplit(":", 1)[0], now)
-
-
-def _bounded_put(table: dict, key: str, value: int, keep_first: bool = False) -> None:
-    """Insert, forgetting the oldest entry past _MAX_TRACKED (requests that never finished)."""
-    if keep_first and key in table:
-        return
-    table[key] = value
-    if len(table) > _MAX_TRACKED:
-        table.pop(next(iter(table)), None)
-
-
-def _decode_registration(notif: bytes) -> dict | None:
-    if not notif.startswith(PUSH_REG_PREFIX):
-        return None
-    decoded = msgspec.msgpack.decode(notif[len(PUSH_REG_PREFIX):])
-    return decoded if isinstance(decoded, dict) else None
-
-
-def _registration_ref(registration: dict | None) -> TraceRef | None:
-    carried = (registration or {}).get(REG_KEY) or {}
-    return parse_traceparent(carried.get("traceparent"))
-
-
-class TracedNixlAgent:
-    """Delegates every call to vLLM's NIXL agent, noting what kvtrace needs on the way.
-
-    Called from the worker's main thread, the push writer and the handshake thread; each
-    hook touches only dicts keyed by handle or request (atomic under the GIL).
-    """
-
-    def __init__(self, agent: Any, tracing: WorkerTracing) -> None:
-        self._agent = agent
-        self._tracing = tracing
-        self._guard = tracing._guard
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
-
-    def make_prepped_xfer(self, operation, *args, **kwargs):
-        handle = self._agent.make_prepped_xfer(operation, *args, **kwargs)
-        notif = kwargs.get("notif_msg", args[4] if len(args) > 4 else b"")
-        self._guard.run(self._tracing.on_prepped, handle, operation, notif)
-        return handle
-
-    def transfer(self, handle, *args, **kwargs):
-        # The span starts when the request is handed to NIXL.
-        self._guard.run(self._tracing.on_posted, handle)
-        return self._agent.transfer(handle, *args, **kwargs)
-
-    def check_xfer_state(self, handle):
-        state = self._agent.check_xfer_state(handle)
-        self._guard.run(self._tracing.on_state, handle, state)
-        return state
-
-    def get_xfer_telemetry(self, handle):
-        telemetry = self._agent.get_xfer_telemetry(handle)
-        self._guard.run(self._tracing.on_telemetry, handle, telemetry)
-        return telemetry
-
-    def release_xfer_handle(self, handle, *args, **kwargs):
-        result = self._agent.release_xfer_handle(handle, *args, **kwargs)
-        self._guard.run(self._tracing.on_released, handle)
-        return result
-
-    def get_new_notifs(self, *args, **kwargs):
-        notifs = self._agent.get_new_notifs(*args, **kwargs)
-        if notifs:
-            self._guard.run(self._tracing.on_notifications, notifs)
-        return notifs

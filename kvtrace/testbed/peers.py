@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtrace.testbed.launch import free_port
+from .launch import free_port
 
 
 def rotel_binary() -> str:

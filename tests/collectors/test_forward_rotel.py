@@ -6,7 +6,7 @@ import pytest
 
 from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.config import ForwardPolicy
-from kvtrace.collectors.peers import Rotel
+from kvtrace.testbed.peers import Rotel
 from kvtrace.collectors.receivers import OtlpGrpcReceiver
 from tests.helpers import wait_until
 from tests.collectors.traces import build
