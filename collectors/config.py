@@ -87,7 +87,9 @@ class CollectorConfig:
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be >= 1")
         if self.archive_bytes < 0:
-            raise ValueError(f"--archive-gib: must be >= 0, got {self.archive_bytes} bytes")
-        if self.decision_wait_s < 0 or self.max_age_s <= 0:
-            raise ValueError("--decision-wait must be >= 0 and --max-age > 0")
+            raise ValueError(f"--archive-gib {self.archive_bytes / 1024**3:g}: must be >= 0")
+        if self.decision_wait_s < 0:
+            raise ValueError(f"--decision-wait {self.decision_wait_s:g}: must be >= 0")
+        if self.max_age_s <= 0:
+            raise ValueError(f"--max-age {self.max_age_s:g}: must be > 0")
 

@@ -56,6 +56,14 @@ def _collector_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0: any free port, advertised beside the store; -1: off)")
     parser.add_argument("--decision-wait", type=float, default=c.DEFAULT_DECISION_WAIT_S,
                         help="seconds to wait after a trace's last span before attributing it")
+    parser.add_argument("--max-age", type=float, default=c.DEFAULT_MAX_AGE_S,
+                        help="decide a trace at the latest this many seconds after its first span")
+    parser.add_argument("--max-traces", type=int, default=c.DEFAULT_MAX_TRACES,
+                        help="traces held while waiting for their decision (beyond: decided early, counted)")
+    parser.add_argument("--queue-requests", type=int, default=c.DEFAULT_QUEUE_REQUESTS,
+                        help="export requests waiting for the pipeline before senders are told to retry (503)")
+    parser.add_argument("--max-body-bytes", type=int, default=c.DEFAULT_MAX_BODY_BYTES,
+                        help="largest export request accepted (413 / RESOURCE_EXHAUSTED beyond)")
     parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
     parser.add_argument("--archive-gib", type=float, default=c.DEFAULT_ARCHIVE_BYTES / 1024**3,
                         help="keep the original requests in the write-ahead log up to this size "
@@ -80,7 +88,8 @@ def _cmd_collector(args: argparse.Namespace) -> int:
             forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
             bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
             metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
-            decision_wait_s=args.decision_wait, fsync=args.fsync,
+            decision_wait_s=args.decision_wait, max_age_s=args.max_age, max_traces=args.max_traces,
+            queue_requests=args.queue_requests, max_body_bytes=args.max_body_bytes, fsync=args.fsync,
             archive_bytes=int(args.archive_gib * 1024**3))
         collector = Collector(config)
     except (ValueError, OSError) as exc:

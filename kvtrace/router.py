@@ -29,14 +29,16 @@ from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvtrace.telemetry import Mode, Role, Stage, TelemetryConfig, TraceRef, configure, sampler, semconv
-from kvtrace.telemetry.context import parse_traceparent
+from kvtrace.telemetry import FailureCause, Mode, Role, Stage, TelemetryConfig, TraceRef, configure, semconv
+from kvtrace.telemetry.context import new_span_id, new_trace_id, sdk_sampler
 from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
 
 logger = logging.getLogger("kvtrace.router")
+_PROPAGATOR = TraceContextTextMapPropagator()
 
-ATTR_STATUS = "http.response.status_code"
 ARRIVED = web.RequestKey("kvtrace_arrived_ns", int)
 
 
@@ -128,7 +130,8 @@ class Router:
         self.config = config
         telemetry = TelemetryConfig.load()
         self._rec = recorder if recorder is not None else configure(telemetry, Role.ROUTER, config.mode)
-        self._sampler = trace_sampler if trace_sampler is not None else sampler(telemetry)
+        self._sampler = trace_sampler if trace_sampler is not None else sdk_sampler(telemetry.sampler,
+                                                                                    telemetry.sampler_arg)
         self._session: aiohttp.ClientSession | None = None
         self._arrivals = Arrivals(self._rec.now)
 
@@ -153,6 +156,15 @@ class Router:
             await self._session.close()
         self._rec.force_flush()
 
+    @staticmethod
+    def _incoming_trace(request: web.Request) -> tuple[TraceRef | None, Any]:
+        """The client's trace (W3C ``traceparent``, by the SDK's propagator), as a TraceRef and a Context."""
+        context = _PROPAGATOR.extract(request.headers)
+        span = otel_trace.get_current_span(context).get_span_context()
+        if not span.is_valid:
+            return None, context
+        return TraceRef(span.trace_id, span.span_id, span.trace_flags.sampled), context
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "mode": self.config.mode.value})
 
@@ -169,8 +181,10 @@ class Router:
 
         chat = request.path.endswith("/chat/completions")
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        parent = parse_traceparent(request.headers.get("traceparent"))
-        trace = self._sampler.start(parent)  # trace.span_id is pd.request's own id
+        parent, context = self._incoming_trace(request)
+        trace = TraceRef(parent.trace_id if parent else new_trace_id(), new_span_id())  # the id of pd.request
+        trace = trace._replace(sampled=self._sampler.should_sample(context, trace.trace_id, "pd.request").decision
+                               .is_sampled())
         root_parent = TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled)
         engine_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}" + ("" if chat else "-0")
         attrs = {semconv.ATTR_REQUEST_ID: engine_id}
@@ -232,7 +246,7 @@ class Router:
                                   "upstream_unavailable")
         finally:
             end = self._rec.now()
-            root_attrs = {**attrs, ATTR_STATUS: status}
+            root_attrs = {**attrs, semconv.ATTR_HTTP_STATUS: status}
             if first_token_ns:
                 root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = first_token_ns - t_in
             if decoded.last_token_ns:
@@ -240,7 +254,7 @@ class Router:
             if decoded.output_tokens:
                 root_attrs[semconv.ATTR_OUTPUT_TOKENS] = decoded.output_tokens
             self._rec.record(root_parent, Stage.PD_REQUEST, t_in, end, root_attrs, span_id=trace.span_id,
-                             error=None if status < 400 else "upstream_error")
+                             error=None if status < 400 else FailureCause.UPSTREAM_ERROR.value)
 
     # ------------------------------------------------------------------ legs
 

@@ -13,7 +13,10 @@ import random
 import re
 from typing import NamedTuple
 
-_TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+# The OpenTelemetry SDK's own pattern (TraceContextTextMapPropagator): lower-case hex only; a future
+# version may carry more fields, version 00 may not. tests/telemetry/test_context.py holds the two
+# to the same answers.
+_TRACEPARENT_RE = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?[ \t]*$")
 _SAMPLED_FLAG = 0x01
 
 # One generator per process, reseeded after fork so parent and child never share ids.
@@ -46,14 +49,16 @@ def new_span_id() -> int:
 
 
 def parse_traceparent(value: str | None) -> TraceRef | None:
-    """Parse a W3C ``traceparent`` header; ``None`` for a missing or invalid one (per spec)."""
+    """Parse a W3C ``traceparent`` header as the OpenTelemetry SDK's propagator does; ``None`` for a
+    missing or invalid one. Hand-written because it runs on the engine loop, per request: a
+    ``TraceRef`` is a tuple, the SDK's extract builds a Context and a span."""
     if not value:
         return None
-    match = _TRACEPARENT_RE.match(value.strip().lower())
+    match = _TRACEPARENT_RE.match(value)
     if match is None:
         return None
-    version, trace_hex, span_hex, flags_hex = match.groups()
-    if version == "ff":
+    version, trace_hex, span_hex, flags_hex, rest = match.groups()
+    if version == "ff" or (version == "00" and rest):
         return None
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if trace_id == 0 or span_id == 0:
@@ -67,7 +72,10 @@ def format_traceparent(ref: TraceRef) -> str:
 
 
 class Sampler:
-    """Head sampling as ``OTEL_TRACES_SAMPLER`` names it, decided once where a trace starts.
+    """Head sampling as ``OTEL_TRACES_SAMPLER`` names it, decided once where a trace starts: the
+    SDK's samplers' decisions without their Context and attribute objects (the engine loop decides
+    for requests that reach it with no trace). The router uses the SDK's own (:func:`sdk_sampler`);
+    tests/telemetry/test_context.py holds the two to the same decisions.
 
     Ratio decisions use the low 64 bits of the trace id, like the SDK's ``TraceIdRatioBased``,
     so every process that sees the same trace id with no parent decides the same way.
@@ -95,3 +103,13 @@ class Sampler:
         """A reference for a new root-or-child span, honouring the parent's trace if any."""
         trace_id = parent.trace_id if parent is not None else new_trace_id()
         return TraceRef(trace_id, new_span_id(), self.should_sample(trace_id, parent))
+
+
+def sdk_sampler(name: str = "parentbased_always_on", ratio: float = 1.0):
+    """The OpenTelemetry SDK's sampler for an ``OTEL_TRACES_SAMPLER`` name (the router's)."""
+    from opentelemetry.sdk.trace import sampling
+
+    root = name.removeprefix("parentbased_")
+    sampler = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF,
+               "traceidratio": sampling.TraceIdRatioBased(ratio)}[root]
+    return sampling.ParentBased(sampler) if name.startswith("parentbased_") else sampler

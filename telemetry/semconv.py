@@ -328,6 +328,9 @@ ATTR_TRANSFER_XFER_US: Final = "kvtrace.transfer.xfer_us"
 ATTR_FAILURE_CAUSE: Final = "error.type"
 """Why a stage failed (a :class:`FailureCause` value); OpenTelemetry's registry name."""
 
+ATTR_HTTP_STATUS: Final = "http.response.status_code"
+"""The status the router answered the client with (on ``pd.request``; OpenTelemetry's name)."""
+
 ATTR_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 """Prompt tokens (OpenTelemetry GenAI convention)."""
 
@@ -370,6 +373,8 @@ class FailureCause(str, enum.Enum):
     PREEMPTED = "preempted"
     RETRIED = "retried"
     REGISTRATION_TIMEOUT = "registration_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    """The router got an error (or nothing) from an engine: ``pd.request`` ends in error."""
 
 
 # --------------------------------------------------------------------------------------

@@ -12,3 +12,22 @@ def _reset_process_recorder():
     recorder.shutdown(timeout_millis=5_000)
     telemetry_setup._recorder = NoOpRecorder()
     telemetry_setup._configured = False
+
+
+# A skipped test is a test that did not run: the suite fails if any is skipped, so none can be
+# skipped on every run unnoticed (KVTRACE_ALLOW_SKIPS=1 for a local run that means to skip).
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import os
+
+    if _SKIPPED and exitstatus == 0 and not os.environ.get("KVTRACE_ALLOW_SKIPS"):
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"kvtrace: {len(_SKIPPED)} test(s) skipped, which the suite does not allow: {_SKIPPED[:5]}", red=True)
+        session.exitstatus = 1

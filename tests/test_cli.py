@@ -66,3 +66,21 @@ def test_contract_doc_is_current():
     """docs/CONTRACT.md is generated from semconv; regenerate with `kvtrace contract`."""
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONTRACT.md"
     assert doc.read_text() == render(), "run: kvtrace contract > docs/CONTRACT.md"
+
+
+@pytest.mark.parametrize("args", [
+    ["--grpc-port", "70000"], ["--http-port", "-2", "--grpc-port", "-1"], ["--metrics-port", "99999"],
+    ["--query-port", "70000"], ["--tls-cert", "/nonexistent.pem"], ["--tls-cert", "/etc/hostname", "--tls-key",
+                                                                    "/nonexistent.pem"],
+    ["--queue-requests", "0"], ["--max-traces", "0"], ["--max-body-bytes", "0"], ["--archive-gib", "-1"],
+    ["--decision-wait", "-1"], ["--max-age", "0"], ["--forward-policy", "slow:abc"], ["--db", "/no/such/dir/x.duckdb"],
+])
+def test_every_collector_error_names_a_flag_the_command_has(args, capsys, tmp_path):
+    """A bad value stops the collector with one line naming the flag to fix — one that exists."""
+    full = ["collector", "--db", str(tmp_path / "c.duckdb"), *args] if "--db" not in args else ["collector", *args]
+    assert cli.main(full) == 2
+    message = capsys.readouterr().err
+    named = {word.rstrip(":,") for word in message.split() if word.startswith("--")}
+    options = {option for action in cli.build_parser()._subparsers._group_actions[0].choices["collector"]._actions
+               for option in action.option_strings}
+    assert named and named <= options, (message, named - options)

@@ -11,8 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtrace.router import Router, RouterConfig
-from kvtrace.telemetry import Mode, Role, Sampler, TelemetryConfig, build_resource
-from kvtrace.telemetry.context import parse_traceparent
+from kvtrace.telemetry import Mode, Role, TelemetryConfig, build_resource
+from kvtrace.telemetry.context import parse_traceparent, sdk_sampler
 from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 from kvtrace.telemetry.recorder import Recorder
 
@@ -66,7 +66,7 @@ async def run_router(mode: str, prefill: Engine, decode: Engine, body: dict, hea
         config = RouterConfig(prefill=prefill_url or str(p.make_url("")).rstrip("/"),
                               decode=str(d.make_url("")).rstrip("/"), mode=Mode(mode), prefill_engine_id="p-1",
                               prefill_kv_port=5600, timeout_s=timeout_s)
-        router = Router(config, recorder=recorder, trace_sampler=Sampler())
+        router = Router(config, recorder=recorder, trace_sampler=sdk_sampler())
         async with TestClient(TestServer(router.app(), host="127.0.0.1")) as client:
             response = await client.post("/v1/completions", json=body, headers=headers or {})
             payload = await response.read()

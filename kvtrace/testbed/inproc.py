@@ -120,9 +120,14 @@ def kv_cache_config():
 
 def stand_in_transfer_topology(worker) -> None:
     """What ``register_kv_caches`` (real memory, a live remote agent) would build, reduced to
-    what the decode step and notification counting use: one P rank per D rank."""
+    what the decode step, the READ's completion and notification counting use: one P rank per D
+    rank, the same block size and layout on both sides."""
+    engine = SimpleNamespace(remote_block_size=BLOCK_SIZE, remote_physical_blocks_per_logical=1,
+                             remote_tp_size=1, remote_dcp_size=1)
     worker.transfer_topo = SimpleNamespace(tp_ratio=lambda remote_tp_size: 1,
-                                           unregister_remote_engine=lambda engine_id: None)
+                                           unregister_remote_engine=lambda engine_id: None,
+                                           get_engine_info=lambda engine_id: engine,
+                                           block_size_ratio=lambda remote_block_size: 1)
 
 
 def build_connector(model_dir: str, connector: str, kv_role: str, role: str, engine_id: str,

@@ -237,5 +237,5 @@ class Generator:
                 + _len(9, _kv(semconv.ATTR_ROUTER_LAST_TOKEN_NS, int(last * MS)))
                 + _len(9, _kv(semconv.ATTR_OUTPUT_TOKENS, w.output_tokens)))
         out.append(("router", _span(trace_id, root_id, b"", Stage.PD_REQUEST, t0, t0 + int((last + 0.5) * MS), root,
-                                    "upstream_error" if failed else None)))
+                                    semconv.FailureCause.UPSTREAM_ERROR.value if failed else None)))
         return out

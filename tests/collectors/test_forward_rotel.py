@@ -1,5 +1,6 @@
 """Forwarding into rotel, a real Rust OpenTelemetry collector, and back out of it unchanged."""
 
+import socket
 import threading
 
 import pytest
@@ -62,7 +63,7 @@ def test_every_span_reaches_rotel_and_comes_back_unchanged(make_collector, rotel
     assert collector.upstreams[0].stats.forwarded_spans == len(expected)
 
 
-def test_upstream_down_never_slows_ingestion_or_loses_the_local_copy(make_collector):
+def test_a_dead_upstream_loses_nothing_locally(make_collector):
     collector = make_collector(forward=["grpc://127.0.0.1:9"])  # nothing listens there
     builts = [build("push") for _ in range(30)]
     for built in builts:
@@ -72,6 +73,24 @@ def test_upstream_down_never_slows_ingestion_or_loses_the_local_copy(make_collec
                       collector.store.flush() or False)
     assert wait_until(lambda: collector.upstreams[0].stats.failures > 0)
     assert collector.store.query("SELECT count(DISTINCT trace_id) FROM spans")[0][0] == 30
+
+
+def test_a_stuck_upstream_never_blocks_ingestion(make_collector):
+    """An upstream that takes the connection and never answers holds its forwarder thread for the
+    whole send timeout; ingestion, attribution and the store go on meanwhile."""
+    with socket.socket() as stuck:  # accepts (the kernel does), never reads, never answers
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(16)
+        collector = make_collector(forward=[f"http://127.0.0.1:{stuck.getsockname()[1]}/v1/traces"])
+        upstream = collector.upstreams[0]
+        builts = [build("push") for _ in range(30)]
+        for built in builts:
+            for request in built.requests:
+                collector.consume(SpanBatch.of(request))  # each returns: none waits for the upstream
+        assert wait_until(lambda: collector.store.flush() or
+                          collector.store.query("SELECT count(*) FROM requests")[0][0] == 30)
+        # everything is stored while the forwarder is still stuck on its first send
+        assert upstream.stats.forwarded_requests == 0 and upstream.stats.failures == 0 and upstream.backlog() > 0
 
 
 def test_tail_policy_forwards_only_selected_traces(make_collector, rotel_to_sink):

@@ -8,17 +8,15 @@ import json
 import duckdb
 import pytest
 
-pytest.importorskip("streamlit", reason="the dashboard extra is part of the test extra")
+from streamlit.testing.v1 import AppTest
 
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
-from kvtrace.collectors.config import CollectorConfig  # noqa: E402
-from kvtrace.collectors.model import SpanBatch  # noqa: E402
-from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store  # noqa: E402
-from kvtrace.collectors.service import Collector  # noqa: E402
-from kvtrace.dashboard.launch import APP as APP_PATH  # noqa: E402
-from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB  # noqa: E402
-from tests.collectors.traces import MS, build  # noqa: E402
+from kvtrace.collectors.config import CollectorConfig
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store
+from kvtrace.collectors.service import Collector
+from kvtrace.dashboard.launch import APP as APP_PATH
+from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
+from tests.collectors.traces import MS, build
 
 APP = str(APP_PATH)  # the installed app, by absolute path
 PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]

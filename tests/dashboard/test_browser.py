@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from playwright import sync_api as playwright
 
 from kvtrace.collectors.reader import Filters, open_store
 from kvtrace.testbed.launch import free_port
@@ -39,7 +40,6 @@ PAGES = {  # url path -> legend entries its charts must show
     "health": {"push", "pull", "requests rejected", "lag ms"},
 }
 
-playwright = pytest.importorskip("playwright.sync_api", reason="playwright is part of the test extra")
 
 
 def _post(url: str, body: bytes) -> None:

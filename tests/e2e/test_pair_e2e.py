@@ -40,12 +40,27 @@ def _reliability(pair) -> dict:
     return {"reliability": sequential + concurrent}
 
 
+_RUNS: dict = {}
+
+
+def _run(mode: str, tmp_path_factory):
+    """One traced run per mode for the whole module (push's with its reliability load)."""
+    if mode not in _RUNS:
+        result = run_mode(mode, tmp_path_factory.mktemp(mode), _reliability if mode == "push" else None)
+        result.extra["mode"] = mode
+        _RUNS[mode] = result
+    return _RUNS[mode]
+
+
 @pytest.fixture(scope="module", params=["push", "pull"])
 def run(request, tmp_path_factory):
-    extra = _reliability if request.param == "push" else None
-    result = run_mode(request.param, tmp_path_factory.mktemp(request.param), extra)
-    result.extra["mode"] = request.param
-    return result
+    return _run(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def push_run(tmp_path_factory):
+    """The push run alone, for what exists in push only (no test is skipped in pull)."""
+    return _run("push", tmp_path_factory)
 
 
 def _by_stage(spans):
@@ -144,9 +159,8 @@ def test_no_prompt_or_completion_text_in_any_exported_attribute(run):
             assert call.output.strip() not in blob
 
 
-def test_push_rendezvous_is_registration_first_for_long_prompts(run):
-    if run.extra["mode"] != "push":
-        pytest.skip("the rendezvous exists in push mode only")
+def test_push_rendezvous_is_registration_first_for_long_prompts(push_run):
+    run = push_run
     long_calls = [c for c in run.calls if c.prompt_tokens > 1000]
     assert long_calls
     for call in long_calls:
@@ -155,9 +169,8 @@ def test_push_rendezvous_is_registration_first_for_long_prompts(run):
         assert rendezvous["attrs"]["kvtrace.rendezvous.order"] == "registration_first", call.request_id
 
 
-def test_push_reliability_thirty_requests(run):
-    if run.extra["mode"] != "push":
-        pytest.skip("push reliability run")
+def test_push_reliability_thirty_requests(push_run):
+    run = push_run
     calls = run.extra["reliability"]
     assert len(calls) == 30
     assert [c.status for c in calls] == [200] * 30, [c.output for c in calls if c.status != 200]
