@@ -29,6 +29,20 @@ $(STAMP): pyproject.toml collectors/_otlp.c
 demo: $(STAMP)
 	$(VENV)/bin/kvtrace demo
 
+# The connector tests run once more against vLLM 0.33.0 (connector/compat.py TESTED_VLLM). Its
+# environment is vLLM 0.33 alone, over .venv's packages (a .pth adds .venv's site-packages after
+# its own): 0.33's own pins match .venv's except torch (2.14 CUDA), which these tests never run —
+# they drive vLLM's scheduler and worker classes with NIXL faked. VLLM_TARGET_DEVICE=cpu because a
+# CUDA wheel on a machine with no GPU otherwise finds no platform.
+VLLM033_VENV  := .venv-vllm033
+VLLM033_STAMP := $(VLLM033_VENV)/.installed
+$(VLLM033_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(VLLM033_VENV)
+	$(PY) -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+		> "$$($(VLLM033_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-kvtrace-base.pth"
+	$(VLLM033_VENV)/bin/python -m pip install --quiet --no-deps 'vllm==0.33.0'
+	touch $(VLLM033_STAMP)
+
 # Arize Phoenix (an OTLP backend the forwarding tests read spans back from) gets its own venv:
 # its dependencies and vLLM's do not mix.
 $(PHOENIX_STAMP):
@@ -41,8 +55,9 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-test: $(STAMP) $(PHOENIX_STAMP) $(CHROMIUM)
+test: $(STAMP) $(PHOENIX_STAMP) $(CHROMIUM) $(VLLM033_STAMP)
 	$(PY) -m pytest
+	KVTRACE_EXPECT_VLLM=0.33.0 VLLM_TARGET_DEVICE=cpu $(VLLM033_VENV)/bin/python -m pytest -p no:cacheprovider tests/connector
 
 bench: $(STAMP)
 	$(PY) bench/recorder_overhead.py

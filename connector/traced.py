@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 
 from kvtrace.telemetry import Mode, Role, configure, sampler
 
+from .compat import check_vllm_version
 from .guard import Guard
 from .options import load_block
 from .scheduler_tracing import SchedulerTracing
@@ -44,6 +45,7 @@ class _Traced:
     _kvtrace_worker: WorkerTracing | None = None
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_vllm_version()
         kv_config = vllm_config.kv_transfer_config
         telemetry_config, options = load_block(kv_config.kv_connector_extra_config)
         tuning = worker_construction(options) if role == KVConnectorRole.WORKER else contextlib.nullcontext()

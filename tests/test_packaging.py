@@ -1,5 +1,6 @@
 """The wheel installs everything under the kvtrace namespace and nothing at top level."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     for folder in FOLDERS:
         assert f"kvtrace/{folder}/__init__.py" in names
     assert "kvtrace/telemetry/recorder.py" in names and "kvtrace/cli.py" in names
+    # the dashboard's pages are scripts Streamlit runs by path, shipped as package data
+    assert {"kvtrace/dashboard/app_pages/overview.py", "kvtrace/dashboard/icon.png"} <= set(names)
     assert any(n.startswith("kvtrace/collectors/_otlp.") and n.endswith(".so") for n in names)  # native decoder
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvtrace = kvtrace.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -44,3 +47,16 @@ def test_editable_install_resolves_the_root_folders(tmp_path):
                          cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()
     assert Path(out[0]) == ROOT / "telemetry" / "__init__.py"
     assert Path(out[1]).parent == ROOT / "collectors"  # the native decoder, built in place
+
+
+def test_gpu_extra_resolves_with_vllm_0_33(tmp_path):
+    """What a GPU host runs: ``pip install 'kvtrace[gpu]'`` with the newest tested vLLM. A dry run
+    against the package index (metadata only, nothing installed), read back from pip's report."""
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                    "--no-build-isolation", "--report", str(report), f"{ROOT}[gpu]", "vllm==0.33.0"],
+                   check=True, capture_output=True, timeout=600)
+    chosen = {item["metadata"]["name"]: item["metadata"]["version"]
+              for item in json.loads(report.read_text())["install"]}
+    assert chosen["kvtrace"] and chosen["vllm"] == "0.33.0"
+    assert tuple(int(p) for p in chosen["nixl"].split(".")[:2]) >= (1, 5)

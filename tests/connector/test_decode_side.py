@@ -23,6 +23,7 @@ from kvtrace.telemetry.context import TraceRef
 from kvtrace.telemetry.semconv import PARAM_TRACEPARENT
 from kvtrace.testbed.inproc import stand_in_transfer_topology
 from tests.connector.test_scheduler_side import _request, blocks, by_stage, schedule
+from tests.connector.test_push_producer import until
 
 TRACE = TraceRef(0x3E1C6B8F2A4D4B5C9E0F1A2B3C4D5E6F, 0x1122334455667788, True)
 D_ID = "cmpl-pull1-0-dddddddd"
@@ -176,3 +177,46 @@ def test_keep_affinity_restores_what_the_worker_changed():
         assert os.sched_getaffinity(0) == {max(before)}  # off: the change stays, as vLLM made it
     finally:
         os.sched_setaffinity(0, before)
+
+
+# --------------------------------------------------------------------------------------
+# A prefill engine that slept and woke registers its KV cache again (vLLM 0.33: the
+# `remote_registration_generation` it sends grows, and D's `_read_blocks_for_req` drops the old
+# connection with `_cleanup_remote_engine`, then handshakes again). That second handshake is one
+# more `kv.handshake` span, on the request that caused it.
+# --------------------------------------------------------------------------------------
+
+
+def test_pull_handshakes_again_after_the_prefill_engine_re_registers(build_connector, spans, monkeypatch):
+    handshakes = []
+
+    def fake_nixl_handshake(host, port, tp_size, engine_id, *args):
+        handshakes.append(engine_id)
+        return {(0, 0): "p-agent"}, 0.0
+
+    def read_or_connect(self, req_id, meta):
+        # vLLM's own first check (the READ planning after it needs a live peer)
+        if meta.remote.engine_id not in self._remote_agents:
+            return self._background_nixl_handshake(req_id, meta.remote.engine_id, meta)
+        return fake_read_blocks_for_req(self, req_id, meta)
+
+    # kvtrace wraps the worker's methods when it is built: patch vLLM's class first
+    monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", read_or_connect)
+    pull_consumer = build_connector("NixlPullConnector", "kv_consumer", "worker", "d-engine")
+    worker = pull_consumer.connector_worker
+    stand_in_transfer_topology(worker)
+    monkeypatch.setattr(worker, "_nixl_handshake", fake_nixl_handshake)
+
+    def serve() -> None:
+        _step(pull_consumer, pull_metadata())
+        assert until(lambda: "p-engine" in worker._remote_agents)
+        _step(pull_consumer)  # the handshake's callback queued the request: READ it now
+
+    serve()
+    worker._cleanup_remote_engine("p-engine", log_eviction=False)  # P re-registered (slept, woke)
+    serve()
+    assert handshakes == ["p-engine", "p-engine"]
+    stages = by_stage(spans())
+    assert len(stages["handshake"]) == 2 and len(stages["read"]) == 2
+    assert all(h.attributes["kvtrace.handshake.kind"] == "full" for h in stages["handshake"])
+    assert all(h.context.trace_id == TRACE.trace_id for h in stages["handshake"])
