@@ -60,7 +60,7 @@ def build(db: str, requests: int) -> None:
             store.flush()
             wal.release(store.committed_position)
         if i % 200 == 0:
-            done = spans / 14
+            done = i + 1
             rate_now = done / max(time.monotonic() - began, 1e-9)
             print(f"\r  building: {done:>9,.0f}/{requests:,} requests  {rate_now:,.0f}/s  "
                   f"eta {(requests - done) / max(rate_now, 1):,.0f} s   ", end="", file=sys.stderr, flush=True)

@@ -16,7 +16,6 @@ Per request, by role:
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +54,11 @@ class _Request:
 
 
 class SchedulerTracing:
-    def __init__(self, recorder: Any, sampler: Sampler, role: Role, engine_id: str,
-                 hash_request_ids: bool = False) -> None:
+    def __init__(self, recorder: Any, sampler: Sampler, role: Role, engine_id: str) -> None:
         self._rec = recorder
         self._sampler = sampler
         self._producer = role is Role.PRODUCER
         self._engine_id = engine_id
-        self._hash_ids = hash_request_ids
         self._requests: dict[str, _Request] = {}
         self._unsent: dict[str, str] = {}  # request id -> traceparent, not yet sent to workers
         self._awaiting_first_token: dict[str, _Request] = {}
@@ -70,8 +67,8 @@ class SchedulerTracing:
     # ------------------------------------------------------------------ helpers
 
     def request_id_attr(self, request_id: str) -> str:
-        base = base_request_id(request_id)
-        return hashlib.sha256(base.encode()).hexdigest()[:16] if self._hash_ids else base
+        # the base id P, D and the router share; the recorder hashes it when asked (telemetry.privacy)
+        return base_request_id(request_id)
 
     def _trace_ref(self, request: Any) -> TraceRef:
         params = request.kv_transfer_params or {}

@@ -62,8 +62,7 @@ class _Traced:
                              engine_id=self.engine_id, extra_resource=options.resource_attributes())
         if self.connector_scheduler is not None:
             self._kvtrace_scheduler = SchedulerTracing(
-                recorder, sampler(telemetry_config), engine_role, self.engine_id,
-                telemetry_config.hash_request_ids)
+                recorder, sampler(telemetry_config), engine_role, self.engine_id)
         if self.connector_worker is not None:
             self._kvtrace_worker = WorkerTracing(recorder, self._kvtrace_mode.value, self.engine_id,
                                                  self.kvtrace_guard)

@@ -54,6 +54,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     timeout_s: float = 300.0
+    hash_request_ids: bool = False
+    """Export request ids keyed-hashed, as P and D do (the key: KVTRACE_HASH_KEY)."""
 
     def validate(self) -> None:
         for name in ("prefill", "decode"):
@@ -128,7 +130,7 @@ class Router:
     def __init__(self, config: RouterConfig, recorder: Any = None, trace_sampler: Any = None) -> None:
         config.validate()
         self.config = config
-        telemetry = TelemetryConfig.load()
+        telemetry = TelemetryConfig.load({"hash_request_ids": True} if config.hash_request_ids else None)
         self._rec = recorder if recorder is not None else configure(telemetry, Role.ROUTER, config.mode)
         self._sampler = trace_sampler if trace_sampler is not None else sdk_sampler(telemetry.sampler,
                                                                                     telemetry.sampler_arg)
@@ -399,6 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=300.0, help="per-leg timeout, seconds")
+    parser.add_argument("--hash-request-ids", action="store_true",
+                        help="export request ids as a keyed hash (key from KVTRACE_HASH_KEY, the same as P's and D's)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -406,7 +410,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         mode=Mode(args.mode), prefill_engine_id=args.prefill_engine_id,
                         prefill_kv_host=args.prefill_kv_host, prefill_kv_port=args.prefill_kv_port,
                         prefill_tp_size=args.prefill_tp_size, host=args.host, port=args.port,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, hash_request_ids=args.hash_request_ids)
 
 
 def serve(config: RouterConfig) -> None:

@@ -44,6 +44,9 @@ OTEL_TRACES_SAMPLER_ARG: Final = "OTEL_TRACES_SAMPLER_ARG"
 OTEL_BSP_MAX_QUEUE_SIZE: Final = "OTEL_BSP_MAX_QUEUE_SIZE"
 OTEL_BSP_SCHEDULE_DELAY: Final = "OTEL_BSP_SCHEDULE_DELAY"
 OTEL_BSP_MAX_EXPORT_BATCH_SIZE: Final = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+# kvtrace's own: request-id hashing must be switchable where no kvtrace block exists (the router)
+KVTRACE_HASH_REQUEST_IDS: Final = "KVTRACE_HASH_REQUEST_IDS"
+KVTRACE_HASH_KEY: Final = "KVTRACE_HASH_KEY"
 
 PROTOCOLS: Final = ("grpc", "http/protobuf")
 EXPORTERS: Final = ("otlp", "console", "none")
@@ -89,6 +92,8 @@ class TelemetryConfig:
     schedule_delay_ms: int = DEFAULT_SCHEDULE_DELAY_MS
     max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE
     hash_request_ids: bool = False
+    hash_key: str | None = dataclasses.field(default=None, repr=False)
+    """The key of the request-id hash, shared by the router, P and D (KVTRACE_HASH_KEY)."""
     metrics_port: int | None = None
     clock_sync_interval_ms: int = DEFAULT_CLOCK_SYNC_INTERVAL_MS
     """How often the exporter thread measures this process's clock against the collector's (0: never)."""
@@ -172,14 +177,19 @@ class TelemetryConfig:
             values["schedule_delay_ms"] = parse_int(*got, minimum=1)
         if (got := pick("max_export_batch_size", OTEL_BSP_MAX_EXPORT_BATCH_SIZE)) is not None:
             values["max_export_batch_size"] = parse_int(*got, minimum=1)
-        if (got := pick("hash_request_ids")) is not None:
+        if (got := pick("hash_request_ids", KVTRACE_HASH_REQUEST_IDS)) is not None:
             values["hash_request_ids"] = parse_bool(*got)
+        if (got := pick("hash_key", KVTRACE_HASH_KEY)) is not None:
+            values["hash_key"] = parse_str(*got)
         if (got := pick("metrics_port")) is not None:
             values["metrics_port"] = parse_int(*got, minimum=0, maximum=65535)
         if (got := pick("clock_sync_interval_ms")) is not None:
             values["clock_sync_interval_ms"] = parse_int(*got, minimum=0, maximum=3_600_000)
 
         config = cls(**values)
+        if config.hash_request_ids and not config.hash_key:
+            raise ConfigError("hash_request_ids", f"needs a key shared by the router, P and D: set "
+                              f"{KVTRACE_HASH_KEY} in each (or kvtrace.hash_key)")
         if config.max_export_batch_size > config.max_queue_size:
             raise ConfigError(
                 "max_export_batch_size",

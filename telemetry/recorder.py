@@ -42,6 +42,7 @@ _ENGINE_LOOP = -1
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _TRANSFER_OPS = {Stage.WRITE: "write", Stage.READ: "read"}
+_REQUEST_ID_ATTRIBUTES = (semconv.ATTR_REQUEST_ID, semconv.ATTR_REMOTE_REQUEST_ID)
 _FAILURE_LOG_INTERVAL_S = 60.0
 
 
@@ -86,6 +87,7 @@ class Recorder:
         *,
         metrics: Any = None,
         clock_sync: Callable[["Recorder"], Any] | None = None,
+        hash_request_id: Callable[[str], str] | None = None,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         schedule_delay_ms: int = DEFAULT_SCHEDULE_DELAY_MS,
         max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE,
@@ -103,6 +105,8 @@ class Recorder:
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE)
         # Made on the exporter thread (and again in a forked child): a ClockSync holds a channel.
         self._clock_sync_factory = clock_sync
+        # Privacy: applied where spans are built, so every id any part of kvtrace exports passes here.
+        self._hash_request_id = hash_request_id
         self._init_process_state()
 
         # Fork safety, as the OTel SDK does it: a weak reference so the hook keeps nothing alive.
@@ -277,6 +281,10 @@ class Recorder:
         attributes: dict[str, Any] = {semconv.ATTR_CATEGORY: spec.category.value, semconv.ATTR_STAGE: label}
         if attrs:
             attributes.update(attrs)
+            if self._hash_request_id is not None:
+                for key in _REQUEST_ID_ATTRIBUTES:
+                    if key in attributes:
+                        attributes[key] = self._hash_request_id(str(attributes[key]))
         start, end = self.to_wall_ns(start_ns), self.to_wall_ns(end_ns)
         status, events = Status(StatusCode.UNSET), ()
         if error is not None:

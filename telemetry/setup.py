@@ -22,6 +22,7 @@ from .clock import ClockSync
 from .config import TelemetryConfig
 from .context import Sampler
 from .metrics import process_metrics
+from .privacy import RequestIdHasher
 from .recorder import NoOpRecorder, Recorder
 from .versions import installed_version
 
@@ -119,6 +120,7 @@ def configure(
             resource,
             metrics=metrics,
             clock_sync=clock_sync_factory(config, str(resource.attributes[semconv.RES_SERVICE_INSTANCE_ID])),
+            hash_request_id=RequestIdHasher(config.hash_key) if config.hash_request_ids else None,
             max_queue_size=config.max_queue_size,
             schedule_delay_ms=config.schedule_delay_ms,
             max_export_batch_size=config.max_export_batch_size,

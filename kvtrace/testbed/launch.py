@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV
+from kvtrace.telemetry.config import KVTRACE_HASH_KEY
 from kvtrace.telemetry.semconv import RES_RUN_ID
 
 from . import model as tiny_model
@@ -84,9 +85,14 @@ class PairConfig:
     """Test-only: ``{"prefill"|"decode"|"router": "SKEW_MS[:DRIFT_PPM]"}``, as if that process ran on
     a host whose clock is off (``KVTRACE_TEST_CLOCK_SHIFT``)."""
     extra_kvtrace: dict = dataclasses.field(default_factory=dict)
+    hash_key: str | None = None
+    """Export request ids keyed-hashed in every process (router flag, engines' kvtrace block), with
+    this key in each one's KVTRACE_HASH_KEY."""
 
     def kvtrace_block(self) -> dict:
         block: dict[str, Any] = {"enabled": self.tracing, **self.extra_kvtrace}
+        if self.hash_key:
+            block["hash_request_ids"] = True
         if self.run_id:
             block["resource_attributes"] = {**block.get("resource_attributes", {}), RES_RUN_ID: self.run_id}
         if self.cpu_options:
@@ -183,6 +189,8 @@ class LocalPair:
         }
         if role in c.clock_shift:
             env[TEST_CLOCK_SHIFT_ENV] = c.clock_shift[role]
+        if c.hash_key:
+            env[KVTRACE_HASH_KEY] = c.hash_key
         return command, env, pinned
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str], cores: set[int] | None,
@@ -225,6 +233,9 @@ class LocalPair:
         command = [sys.executable, "-m", "kvtrace", "router", "--mode", c.mode, "--prefill", self.prefill_url,
                    "--decode", self.decode_url, "--port", str(port), "--prefill-engine-id", PREFILL_ENGINE_ID,
                    "--prefill-kv-port", str(self.ports["p_kv"])]
+        if c.hash_key:
+            env[KVTRACE_HASH_KEY] = c.hash_key
+            command.append("--hash-request-ids")
         url = f"http://127.0.0.1:{port}"
         self._spawn(name, command, env, None, url)
         return url
