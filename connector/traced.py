@@ -20,8 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from kvtrace.telemetry import Mode, Role, configure, sampler
+from kvtrace.telemetry.metrics import FanOut, PendingStats, multiprocess_mode, process_metrics
 
 from .compat import check_vllm_version
+from .stats import KvtraceConnectorStats, KvtracePromMetrics
 from .guard import Guard
 from .options import load_block
 from .scheduler_tracing import SchedulerTracing
@@ -31,6 +33,21 @@ from .worker_tracing import WorkerTracing
 logger = logging.getLogger(__name__)
 
 _now = time.perf_counter_ns
+
+
+_pending: PendingStats | None = None  # this process's kvtrace observations, until vLLM collects them
+
+
+def connector_metrics(config: Any, mode: str, role: str) -> Any:
+    """The recorder's metrics sink inside vLLM: observations wait in :class:`PendingStats` until
+    vLLM collects the connector's stats (to its /metrics); ``metrics_port`` adds this process's
+    own endpoint (outside vLLM's multiprocess mode)."""
+    global _pending
+    if _pending is None:
+        _pending = PendingStats(mode, role)
+    if config.metrics_port is not None and not multiprocess_mode():
+        return FanOut(_pending, process_metrics(mode, role, config.metrics_port))
+    return _pending
 
 
 def _role(kv_role: str | None) -> Role:
@@ -59,7 +76,8 @@ class _Traced:
             return
         engine_role = _role(kv_config.kv_role)
         recorder = configure(telemetry_config, engine_role, self._kvtrace_mode,
-                             engine_id=self.engine_id, extra_resource=options.resource_attributes())
+                             engine_id=self.engine_id, extra_resource=options.resource_attributes(),
+                             metrics=connector_metrics(telemetry_config, self._kvtrace_mode.value, engine_role.value))
         if self.connector_scheduler is not None:
             self._kvtrace_scheduler = SchedulerTracing(
                 recorder, sampler(telemetry_config), engine_role, self.engine_id)
@@ -72,6 +90,29 @@ class _Traced:
         logger.info("kvtrace: traced %s active (%s, %s, engine %s, spans to %s)", name,
                     role.name.lower(), engine_role.value, self.engine_id,
                     telemetry_config.endpoint or telemetry_config.exporter)
+
+    # ------------------------------------------------------------------ metrics (vLLM's stats seam)
+
+    def get_kv_connector_stats(self):
+        base = super().get_kv_connector_stats()  # type: ignore[misc]
+        pending = _pending.drain() if _pending is not None and self._kvtrace_recorder_set() else None
+        if pending is None or not any(pending.values()):
+            return base
+        stats = KvtraceConnectorStats()
+        if base is not None:
+            stats.aggregate(base)
+        return stats.add_pending(pending)
+
+    def _kvtrace_recorder_set(self) -> bool:
+        return self._kvtrace_scheduler is not None or self._kvtrace_worker is not None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None):
+        return KvtraceConnectorStats(data=data) if data is not None else KvtraceConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvtracePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler side
 

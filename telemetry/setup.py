@@ -99,10 +99,12 @@ def configure(
     engine_id: str | None = None,
     extra_resource: Mapping[str, Any] | None = None,
     exporter: SpanExporter | None = None,
+    metrics: Any = None,
 ) -> Recorder | NoOpRecorder:
     """Create this process's recorder once; later calls return it unchanged.
 
-    ``exporter`` overrides the one the config would build (tests, embedding).
+    ``exporter`` overrides the one the config would build (tests, embedding); ``metrics`` the
+    Prometheus sink (the connector's, which reaches vLLM's /metrics through vLLM's stats seam).
     """
     global _recorder, _configured
     with _lock:
@@ -113,7 +115,8 @@ def configure(
             logger.info("kvtrace: telemetry disabled")
             return _recorder
         exporter = exporter if exporter is not None else build_exporter(config)
-        metrics = process_metrics(mode.value if mode else "none", role.value, config.metrics_port)
+        if metrics is None:
+            metrics = process_metrics(mode.value if mode else "none", role.value, config.metrics_port)
         resource = build_resource(config, role, mode, engine_id, extra_resource)
         _recorder = Recorder(
             exporter,
