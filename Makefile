@@ -55,7 +55,13 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-test: $(STAMP) $(PHOENIX_STAMP) $(CHROMIUM) $(VLLM033_STAMP)
+# The Grafana dashboard's queries are evaluated by Debian's Prometheus server (tests/e2e).
+PROMETHEUS := /usr/bin/prometheus
+$(PROMETHEUS):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
+
+test: $(STAMP) $(PHOENIX_STAMP) $(CHROMIUM) $(PROMETHEUS) $(VLLM033_STAMP)
 	$(PY) -m pytest
 	KVTRACE_EXPECT_VLLM=0.33.0 VLLM_TARGET_DEVICE=cpu $(VLLM033_VENV)/bin/python -m pytest -p no:cacheprovider tests/connector
 
