@@ -94,17 +94,17 @@ class _Traced:
     # ------------------------------------------------------------------ metrics (vLLM's stats seam)
 
     def get_kv_connector_stats(self):
+        # Always kvtrace's stats class, never NIXL's own: vLLM aggregates the scheduler's stats
+        # into the workers' (and workers' into each other's), and NIXL's aggregate() fails on a
+        # key it does not know — so every object on this path must be one that accepts any key.
         base = super().get_kv_connector_stats()  # type: ignore[misc]
-        pending = _pending.drain() if _pending is not None and self._kvtrace_recorder_set() else None
-        if pending is None or not any(pending.values()):
-            return base
+        pending = _pending.drain() if _pending is not None else None
+        if base is None and (pending is None or not any(pending.values())):
+            return None
         stats = KvtraceConnectorStats()
         if base is not None:
             stats.aggregate(base)
-        return stats.add_pending(pending)
-
-    def _kvtrace_recorder_set(self) -> bool:
-        return self._kvtrace_scheduler is not None or self._kvtrace_worker is not None
+        return stats.add_pending(pending) if pending else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
