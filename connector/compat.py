@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import logging
 
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
 
 logger = logging.getLogger(__name__)
 
-# Lowest tested release, first untested one. Keep pyproject's `gpu` extra in step.
-TESTED_VLLM = ("0.32", "0.34")
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``"0.33.0+cu129"`` → ``(0, 33, 0)``; a dev or rc build counts as its release."""
-    return Version(version).release
+# Keep pyproject's `gpu` extra in step (a test holds them equal). A dev or rc build counts as
+# its release; a local tag (+cu129) is ignored.
+TESTED_VLLM = SpecifierSet(">=0.32,<0.34", prereleases=True)
 
 
 def is_tested(version: str) -> bool:
-    low, high = (_release(v) for v in TESTED_VLLM)
-    return low <= _release(version) < high
+    return version in TESTED_VLLM
 
 
 def tested_range() -> str:
-    return f">={TESTED_VLLM[0]},<{TESTED_VLLM[1]}"
+    return str(TESTED_VLLM)
 
 
 _checked = False

@@ -34,10 +34,7 @@ class KvtraceConnectorStats(NixlKVConnectorStats):
 
     def aggregate(self, other: Any) -> Any:
         # other may be NIXL's own stats (a worker of another class) or ours
-        if not other.is_empty():
-            for key, values in other.data.items():
-                self.data.setdefault(key, []).extend(values)
-        return self
+        return self if other.is_empty() else self.add_pending(other.data)
 
     def reduce(self) -> dict[str, int | float]:
         summary = super().reduce()
@@ -45,6 +42,7 @@ class KvtraceConnectorStats(NixlKVConnectorStats):
         return summary
 
     def add_pending(self, pending: dict[str, list]) -> "KvtraceConnectorStats":
+        """Concatenate lists by key (any key: NIXL's, kvtrace's, or another release's)."""
         for key, values in pending.items():
             self.data.setdefault(key, []).extend(values)
         return self

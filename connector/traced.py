@@ -104,7 +104,7 @@ class _Traced:
         stats = KvtraceConnectorStats()
         if base is not None:
             stats.aggregate(base)
-        return stats.add_pending(pending) if pending else stats
+        return stats.add_pending(pending or {})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):

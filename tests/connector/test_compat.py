@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from kvtrace.connector import compat
 
@@ -62,12 +63,12 @@ def test_sleep_mode_answer_is_vllms_own():
 
     config = KVTransferConfig(kv_connector="NixlPushConnector", kv_role="kv_producer")
     if not hasattr(vllm_nixl.NixlPushConnector, "supports_sleep_mode"):
-        assert compat._release(vllm.__version__) < (0, 33)
+        assert Version(vllm.__version__).release < (0, 33)
         return
     for traced, own in ((NixlPushConnector, vllm_nixl.NixlPushConnector),
                         (NixlPullConnector, vllm_nixl.NixlPullConnector)):
         assert traced.supports_sleep_mode(config) == own.supports_sleep_mode(config)
-    if compat._release(vllm.__version__) >= (0, 33):
+    if Version(vllm.__version__).release >= (0, 33):
         assert NixlPushConnector.supports_sleep_mode(config) is False
         assert NixlPullConnector.supports_sleep_mode(config) is True
 
