@@ -172,6 +172,7 @@ class FanOut:
             for method in methods:
                 method(*args)
 
+        setattr(self, name, call)  # built once per method: later lookups find it on the instance
         return call
 
 
