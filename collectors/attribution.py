@@ -22,7 +22,7 @@ from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
     CATEGORIES, D_INPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, ROOT, ROUTE, ROUTER,
-    STAGE_CATEGORY, Breakdown,
+    GAP, STAGE_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .model import SpanRow
@@ -128,14 +128,15 @@ class Attributor:
         else:
             start = min(t[0] for t in timings.values())
             end = first[1] if first else max(t[1] for t in timings.values())
-        parts, critical = self._walk(timings, PREDECESSORS[mode], start, end)
+        parts, critical, segments = self._walk(timings, PREDECESSORS[mode], start, end)
 
         missing = EXPECTED[mode] - index.keys()
         missing = sorted(f"{side}:{stage}" for side, stage in missing) if missing else []
         breakdown = Breakdown(
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
-            complete=not missing, missing=missing, error=error,
+            complete=not missing, missing=missing, error=error, segments=segments,
+            root_span_id=root.span_id if root is not None else b"",
             offsets_ns=offsets, clock_bounds_ns=bounds, clock_suspect=suspect,
             prefill_instance=p_any.origin.instance if p_any else "",
             decode_instance=d_any.origin.instance if d_any else "",
@@ -149,12 +150,14 @@ class Attributor:
 
     @staticmethod
     def _walk(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
-              end: int) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
-        """(time per category, time per stage) on the critical path from ``end`` back to ``start``."""
+              end: int) -> tuple[dict[str, int], dict[tuple[str, str], int], list[Segment]]:
+        """(time per category, time per stage, the segments first to last) on the critical path
+        from ``end`` back to ``start``."""
         parts = dict.fromkeys(_CATEGORY_NAMES, 0)
         critical: dict[tuple[str, str], int] = {}
+        segments: list[Segment] = []  # collected last to first
         if end <= start:
-            return parts, critical
+            return parts, critical, segments
         node_key = DECODE_LEG if DECODE_LEG in timings else FIRST_TOKEN  # the first token back at the router
         if node_key not in timings:  # no first token: start from whatever ended last
             node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
@@ -182,16 +185,20 @@ class Attributor:
                 seg_start = seg_end
             if seg_end < t:
                 parts[_UNATTRIBUTED] += t - seg_end
+                segments.append((GAP, seg_end, t))
             if seg_end > seg_start:
                 if category not in parts:  # "root" on a span that is not the router's root
                     category = _COORDINATION
                 parts[category] += seg_end - seg_start
                 critical[node_key] = seg_end - seg_start
+                segments.append((node_key, seg_start, seg_end))
             t = seg_start
             node_key = pred_key
         if t > start:
             parts[_UNATTRIBUTED] += t - start
-        return parts, critical
+            segments.append((GAP, start, t))
+        segments.reverse()
+        return parts, critical, segments
 
     # ------------------------------------------------------------------ details
 

@@ -28,6 +28,10 @@ READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
 STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
 """Each contract stage's category; a stage outside the contract counts as coordination."""
 CATEGORIES = semconv.BREAKDOWN_CATEGORIES
+GAP = (semconv.Category.UNATTRIBUTED.value,) * 2
+"""The stage key of a critical-path segment no span covers."""
+Segment = tuple[tuple[str, str], int, int]
+"""A piece of the critical path: (stage key, or :data:`GAP`; start; end), on the router's clock."""
 _START = operator.attrgetter("start")
 
 
@@ -75,6 +79,13 @@ class Breakdown:
     output_tokens: int = 0
     last_token_ns: int = 0  # from the start, as the router saw it; 0 if unknown
     block_count: int = 0  # KV blocks D allocated for the request
+    segments: list[Segment] = field(default_factory=list)  # the critical path, first to last
+    root_span_id: bytes = b""  # pd.request's span id, b"" when the trace has no root
+
+    @property
+    def critical_path(self) -> str:
+        """The stages on the critical path, first to last: ``prefill:prefill>prefill:write>...``."""
+        return ">".join([_label(key) for key in reversed(self.critical_ns)])  # the walk goes last to first
 
     @property
     def tpot_ns(self) -> int:
@@ -98,3 +109,14 @@ class Breakdown:
         stages = [StageTiming(side, stage, category, start, end, self.critical_ns.get((side, stage), 0))
                   for (side, stage), (start, end, category) in self.timings.items()]
         return sorted(stages, key=_START)
+
+
+_LABELS: dict[tuple[str, str], str] = {}
+
+
+def _label(key: tuple[str, str]) -> str:
+    """``side:stage``, made once per stage key."""
+    label = _LABELS.get(key)
+    if label is None:
+        label = _LABELS[key] = f"{key[0]}:{key[1]}"
+    return label

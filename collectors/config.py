@@ -55,6 +55,8 @@ class CollectorConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     forward: list[str] = dataclasses.field(default_factory=list)
     forward_policies: list[ForwardPolicy] = dataclasses.field(default_factory=lambda: [ForwardPolicy("all")])
+    forward_breakdown: bool = True  # add a kvtrace.breakdown span to each forwarded trace
+    forward_critical_path: bool = False  # ... and one span per critical-path segment under it
     queue_requests: int = DEFAULT_QUEUE_REQUESTS
     decision_wait_s: float = DEFAULT_DECISION_WAIT_S
     max_age_s: float = DEFAULT_MAX_AGE_S
@@ -88,6 +90,8 @@ class CollectorConfig:
                 raise ValueError(f"{flag} {value}: must be >= 1")
         if self.archive_bytes < 0:
             raise ValueError(f"--archive-gib {self.archive_bytes / 1024**3:g}: must be >= 0")
+        if self.forward_critical_path and not self.forward_breakdown:
+            raise ValueError("--forward-critical-path needs the breakdown span (drop --no-forward-breakdown)")
         if self.decision_wait_s < 0:
             raise ValueError(f"--decision-wait {self.decision_wait_s:g}: must be >= 0")
         if self.max_age_s <= 0:

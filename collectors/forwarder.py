@@ -1,4 +1,6 @@
-"""Tee to the APM people already run: every span, unchanged, to one or more OTLP endpoints.
+"""Tee to the APM people already run: every span, unchanged, to one or more OTLP endpoints
+(and, queued by the pipeline, the ``kvtrace.breakdown`` span of each decided trace:
+:mod:`.breakdown_span`).
 
 Each upstream has its own bounded queue and daemon thread, so an upstream that is down or
 slow only fills its own queue (oldest dropped first, counted) and never slows ingestion or

@@ -278,12 +278,17 @@ def rebuild_request(spans: list[SpanRow]) -> bytes:
         for resource, scopes in resources.values())
 
 
+_BYTE = [bytes([value]) for value in range(0x80)]
+
+
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field (ResourceSpans.resource, ScopeSpans.spans, ...)."""
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _BYTE[value]
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

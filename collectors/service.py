@@ -1,5 +1,6 @@
 """The collector pipeline: receivers (decode, check) → write-ahead log → store + assembler →
-attribution, with a tee to upstream APMs.
+attribution, with a tee to upstream APMs: the spans as received, and each decided trace's
+breakdown as one more span in it.
 
 ``consume`` (called by a receiver thread with a decoded :class:`SpanBatch`) only reserves
 queue space, appends the request's bytes to the write-ahead log and enqueues the batch;
@@ -11,6 +12,7 @@ as received). Start order is downstream first; shutdown is upstream first, flush
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import queue
@@ -24,6 +26,7 @@ from kvtrace.telemetry.versions import installed_version
 from .assembler import Assembler
 from .attribution import Attributor
 from .breakdown import Breakdown
+from .breakdown_span import BreakdownSpans
 from .clocks import ClockBook
 from .config import CollectorConfig
 from .forwarder import Upstream
@@ -38,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 
 HEALTH_INTERVAL_S = 5.0
+BREAKDOWN_BATCH_SPANS = 512  # breakdown spans per export request (tee-all mode) ...
+BREAKDOWN_BATCH_WAIT_S = 0.2  # ... or fewer, once the first has waited this long
+MAX_REVISIONS_KEPT = 100_000  # forwarded traces whose breakdown revision is remembered
 
 
 class Busy(RetryLater):
@@ -59,6 +65,15 @@ class Collector:
                                    decided_cache=min(config.max_traces, 2_000))
         self.upstreams = [Upstream(url) for url in config.forward]
         self._tee_all = any(p.kind == "all" for p in config.forward_policies)
+        self._breakdown_spans = BreakdownSpans(segments=config.forward_critical_path,
+                                               version=installed_version("kvtrace") or "") \
+            if self.upstreams and config.forward_breakdown else None
+        # Per forwarded trace, the revision of the last breakdown sent (bounded: the oldest go first).
+        self._revisions: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        # Tee-all mode: breakdown spans waiting to go out together as one export request.
+        self._outgoing: list[bytes] = []
+        self._outgoing_spans = 0
+        self._outgoing_since = 0.0
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.BoundedSemaphore(config.queue_requests)
         self._stop = threading.Event()
@@ -119,6 +134,7 @@ class Collector:
         if self._thread.is_alive():
             self._thread.join()
         self.assembler.poll(flush_all=True)
+        self._send_breakdowns()
         self.store.shutdown()
         for upstream in self.upstreams:
             upstream.shutdown()
@@ -145,6 +161,7 @@ class Collector:
                 position, batch = self._queue.get(timeout=0.1)
             except queue.Empty:
                 self.assembler.poll()
+                self._send_breakdowns(due_only=True)
                 continue
             try:
                 self._process(batch, position)
@@ -154,6 +171,7 @@ class Collector:
             finally:
                 self._slots.release()
             self.assembler.poll()  # cheap: it looks only at traces that are ready
+            self._send_breakdowns(due_only=True)
             self._release_log()
             self._record_health()
 
@@ -206,10 +224,53 @@ class Collector:
             return
         self.store.add_breakdown(breakdown, replaces=late or self._replaying)
         self.metrics.trace(breakdown, late)
-        if not self._tee_all and not self._replaying and self.upstreams and self._selected(breakdown):
-            payload = rebuild_request(spans)
-            for upstream in self.upstreams:
-                upstream.consume(payload, len(spans))
+        if self.upstreams and not self._replaying:
+            self._forward_decided(trace_id, spans, breakdown, late)
+
+    # ------------------------------------------------------------------ forwarding what was decided
+
+    def _forward_decided(self, trace_id: bytes, spans: list[SpanRow], breakdown: Breakdown, late: bool) -> None:
+        """Tee-all: the spans went out as received; add the trace's breakdown span. Tail policies:
+        the trace's spans as received, with its breakdown span, if a policy selects it.
+
+        A trace decided again (late spans) whose breakdown went out gets the next revision, which
+        names the one it supersedes; one decided again without the assembler remembering it
+        (``late`` false) keeps its first breakdown, as the store does."""
+        revision = self._revisions.get(trace_id, 0)
+        if revision and not late:
+            return
+        if not (self._tee_all or revision or self._selected(breakdown)):
+            return
+        encoded, count = b"", 0
+        if self._breakdown_spans is not None:
+            revision += 1
+            self._revisions[trace_id] = revision
+            self._revisions.move_to_end(trace_id)
+            if len(self._revisions) > MAX_REVISIONS_KEPT:
+                self._revisions.popitem(last=False)
+            encoded, count = self._breakdown_spans.encode(trace_id, breakdown, revision)
+        if self._tee_all:
+            if count:
+                if not self._outgoing:
+                    self._outgoing_since = time.monotonic()
+                self._outgoing.append(encoded)
+                self._outgoing_spans += count
+                if self._outgoing_spans >= BREAKDOWN_BATCH_SPANS:
+                    self._send_breakdowns()
+            return
+        payload = rebuild_request(spans) + (self._breakdown_spans.request(encoded) if count else b"")
+        for upstream in self.upstreams:
+            upstream.consume(payload, len(spans) + count)
+
+    def _send_breakdowns(self, due_only: bool = False) -> None:
+        """Tee-all: the waiting breakdown spans as one export request to every upstream (with
+        ``due_only``, only once the batch is full or its first span has waited long enough)."""
+        if not self._outgoing or (due_only and time.monotonic() - self._outgoing_since < BREAKDOWN_BATCH_WAIT_S):
+            return
+        payload = self._breakdown_spans.request(b"".join(self._outgoing))
+        count, self._outgoing, self._outgoing_spans = self._outgoing_spans, [], 0
+        for upstream in self.upstreams:
+            upstream.consume(payload, count)
 
     def _selected(self, breakdown: Breakdown) -> bool:
         for policy in self.config.forward_policies:

@@ -47,6 +47,11 @@ def _collector_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upstream OTLP endpoint, repeatable: grpc://host:4317 or http://host:4318/v1/traces")
     parser.add_argument("--forward-policy", action="append", default=[], metavar="POLICY",
                         help="all (default), errors, slow:MS, ratio:R; repeatable (any match forwards)")
+    parser.add_argument("--no-forward-breakdown", dest="forward_breakdown", action="store_false",
+                        help="forward the spans as received only, without a kvtrace.breakdown span per trace")
+    parser.add_argument("--forward-critical-path", action="store_true",
+                        help="also forward one span per critical-path segment (clock-corrected) under the "
+                             "breakdown span, so any APM's waterfall shows the critical path")
     parser.add_argument("--token", help="require this bearer token from senders")
     parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="... and this key (PEM)")
@@ -86,6 +91,7 @@ def _cmd_collector(args: argparse.Namespace) -> int:
             http_port=None if args.http_port < 0 else args.http_port,
             forward=args.forward,
             forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
+            forward_breakdown=args.forward_breakdown, forward_critical_path=args.forward_critical_path,
             bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
             metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
             decision_wait_s=args.decision_wait, max_age_s=args.max_age, max_traces=args.max_traces,

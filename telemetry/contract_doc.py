@@ -8,21 +8,19 @@ from . import semconv
 
 
 def _constants(prefix: str) -> list[tuple[str, str]]:
-    """(value, docstring) of every ``prefix*`` constant in semconv, in source order."""
+    """(value, docstring) of every ``prefix*`` string constant in semconv, in source order."""
+    return [(value, _doc_of(name)) for name, value in vars(semconv).items()
+            if name.startswith(prefix) and isinstance(value, str)]
+
+
+def _doc_of(name: str) -> str:
+    """The docstring under a semconv constant, by its name, on one line."""
     source = inspect.getsource(semconv)
-    rows = []
-    for name, value in vars(semconv).items():
-        if not name.startswith(prefix) or not isinstance(value, str):
-            continue
-        marker = f"{name}: Final = "
-        doc = ""
-        start = source.find(marker)
-        if start >= 0:
-            tail = source[start:].split("\n", 2)
-            if len(tail) > 1 and tail[1].strip().startswith('"""'):
-                doc = tail[1].strip().strip('"')
-        rows.append((value, doc))
-    return rows
+    start = source.find(f"\n{name}: Final")
+    tail = source[start:].split("\n", 2) if start >= 0 else []
+    if len(tail) < 3 or not tail[2].lstrip().startswith('"""'):
+        return ""
+    return " ".join(tail[2].lstrip()[3:].split('"""', 1)[0].split())
 
 
 def _markdown(docstring: str) -> str:
@@ -41,6 +39,23 @@ def _read_on(key: str, prefix: str) -> str:
                                     semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME):
         return "every resource"
     return ""
+
+
+def _breakdown_section() -> list[str]:
+    """The span the collector adds to each forwarded trace, and its attributes."""
+    lines = ["", "## The breakdown span (added by the collector to each trace it forwards)", "",
+             f"`{semconv.SPAN_BREAKDOWN}`: {_markdown(_doc_of('SPAN_BREAKDOWN'))}", "",
+             f"`{semconv.SPAN_CRITICAL_SEGMENT}`: {_markdown(_doc_of('SPAN_CRITICAL_SEGMENT'))}", "",
+             "| key | meaning |", "|---|---|"]
+    for value, doc in _constants("BREAKDOWN_"):
+        lines.append(f"| `{value}` | {_markdown(doc)} |")
+        if value == semconv.BREAKDOWN_TTFT_MS:
+            for table, name in ((semconv.BREAKDOWN_PART_MS, "BREAKDOWN_PART_MS"),
+                                (semconv.BREAKDOWN_PART_SHARE, "BREAKDOWN_PART_SHARE")):
+                keys = ", ".join(f"`{key}`" for key in table.values())
+                lines.append(f"| {keys} | {_markdown(_doc_of(name))} |")
+    lines.append(f"| `{semconv.CRITICAL_SIDE}` | {_markdown(_doc_of('CRITICAL_SIDE'))} |")
+    return lines
 
 
 def render() -> str:
@@ -68,6 +83,7 @@ def render() -> str:
             if value not in seen:
                 seen.add(value)
                 lines.append(f"| `{value}` | {_markdown(doc)} | {_read_on(value, prefix)} |")
+    lines += _breakdown_section()
     lines += ["", "## Closed value sets", ""]
     for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,
                  semconv.FailureCause):

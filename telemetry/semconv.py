@@ -378,6 +378,93 @@ class FailureCause(str, enum.Enum):
 
 
 # --------------------------------------------------------------------------------------
+# The breakdown span: what the collector adds to each trace it forwards
+# --------------------------------------------------------------------------------------
+
+SPAN_BREAKDOWN: Final = "kvtrace.breakdown"
+"""Made by the collector, not the engines: a child of ``pd.request`` (a root where the trace has
+none) spanning the TTFT on the router's clock, one per decided trace it forwards, with the
+attribution's results below, under the collector's resource (``service.name`` ``kvtrace-collector``)."""
+
+SPAN_CRITICAL_SEGMENT: Final = "kvtrace.critical"
+"""Optional (``--forward-critical-path``): one child of ``kvtrace.breakdown`` per segment of the
+critical path, on the router's clock, named ``kvtrace.critical <side>.<stage>``."""
+
+BREAKDOWN_TTFT_MS: Final = "kvtrace.breakdown.ttft_ms"
+"""Time to first token as the router saw it, in ms (double)."""
+
+BREAKDOWN_PART_MS: Final[dict[Category, str]] = {
+    c: f"kvtrace.breakdown.{c.value}_ms" for c in BREAKDOWN_CATEGORIES}
+"""Each part of TTFT on the critical path, in ms (double); the parts sum to the TTFT."""
+
+BREAKDOWN_PART_SHARE: Final[dict[Category, str]] = {
+    c: f"kvtrace.breakdown.{c.value}_share" for c in BREAKDOWN_CATEGORIES}
+"""Each part's share of TTFT, 0 to 1 (double): what an APM can take a percentile of directly."""
+
+BREAKDOWN_MODE: Final = "kvtrace.breakdown.mode"
+"""The trace's :class:`Mode` (a span attribute here, where the resource is the collector's)."""
+
+BREAKDOWN_RUN_ID: Final = "kvtrace.breakdown.run_id"
+"""The experiment run the trace served (``kvtrace.run.id`` of its router or engines); absent if none."""
+
+BREAKDOWN_REQUEST_ID: Final = "kvtrace.breakdown.request_id"
+"""The trace's ``kvtrace.request_id`` (hashed where the senders hash it)."""
+
+BREAKDOWN_RENDEZVOUS_ORDER: Final = "kvtrace.breakdown.rendezvous_order"
+"""Push: a :class:`RendezvousOrder` value; absent in pull."""
+
+BREAKDOWN_TRANSFER_BYTES: Final = "kvtrace.breakdown.transfer_bytes"
+"""KV bytes moved P -> D for the request (sum over its WRITEs or READs)."""
+
+BREAKDOWN_PROMPT_TOKENS: Final = "kvtrace.breakdown.prompt_tokens"
+"""Prompt tokens of the request (int)."""
+
+BREAKDOWN_CRITICAL_PATH: Final = "kvtrace.breakdown.critical_path"
+"""The stages on the critical path, first to last, as ``side:stage`` joined by ``>`` (gaps no
+span covers are left out: their time is the unattributed part)."""
+
+BREAKDOWN_COMPLETE: Final = "kvtrace.breakdown.complete"
+"""True when every stage the mode expects was seen (bool)."""
+
+BREAKDOWN_MISSING: Final = "kvtrace.breakdown.missing"
+"""The expected stages not seen, ``side:stage`` joined by ``,`` (absent when complete)."""
+
+BREAKDOWN_ERROR: Final = "kvtrace.breakdown.error"
+"""True when a span of the trace ended in error (the breakdown span's status is ERROR too)."""
+
+BREAKDOWN_PREFILL_INSTANCE: Final = "kvtrace.breakdown.prefill_instance"
+"""P's ``service.instance.id``."""
+
+BREAKDOWN_DECODE_INSTANCE: Final = "kvtrace.breakdown.decode_instance"
+"""D's ``service.instance.id``."""
+
+BREAKDOWN_PREFILL_OFFSET_MS: Final = "kvtrace.breakdown.prefill_clock_offset_ms"
+"""Added to P's times to put them on the router's clock, in ms (double); absent without P's spans."""
+
+BREAKDOWN_DECODE_OFFSET_MS: Final = "kvtrace.breakdown.decode_clock_offset_ms"
+"""Added to D's times to put them on the router's clock, in ms (double); absent without D's spans."""
+
+BREAKDOWN_PREFILL_BOUND_MS: Final = "kvtrace.breakdown.prefill_clock_bound_ms"
+"""The error bound of P's offset, in ms; absent where the offset was inferred, not measured."""
+
+BREAKDOWN_DECODE_BOUND_MS: Final = "kvtrace.breakdown.decode_clock_bound_ms"
+"""The error bound of D's offset, in ms; absent where the offset was inferred, not measured."""
+
+BREAKDOWN_CLOCK_SUSPECT: Final = "kvtrace.breakdown.clock_suspect"
+"""True when a measured offset disagrees with the order of the trace's spans (bool)."""
+
+BREAKDOWN_REVISION: Final = "kvtrace.breakdown.revision"
+"""1 for a trace's first breakdown; a trace decided again (late spans) gets another breakdown
+span with the next revision, which supersedes the earlier: the highest revision is final."""
+
+BREAKDOWN_SUPERSEDES: Final = "kvtrace.breakdown.supersedes"
+"""From revision 2 on: the span id (hex) of the breakdown span this one replaces."""
+
+CRITICAL_SIDE: Final = "kvtrace.critical.side"
+"""On a critical-path segment: where its stage was recorded (a :class:`Side` value, or
+``unattributed`` for a gap); with ``kvtrace.stage`` and ``kvtrace.category``."""
+
+# --------------------------------------------------------------------------------------
 # Resource attributes
 # --------------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """Run inside a private network namespace (``unshare --net``, loopback up): Phoenix, whose gRPC
 port binds every interface, and a kvtrace collector forwarding to it. Sends contract traces
-to the collector, reads the spans back from Phoenix's REST API, prints one JSON line.
+to the collector, reads the spans back from Phoenix's REST API (the engines' spans and the
+collector's ``kvtrace.breakdown`` span per trace), prints one JSON line with the store's
+breakdown rows beside them.
 
 Usage: python phoenix_roundtrip.py PHOENIX_PYTHON WORK_DIR
 """
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvtrace.collectors.model import SpanBatch  # noqa: E402
 from kvtrace.collectors.config import CollectorConfig  # noqa: E402
 from kvtrace.collectors.service import Collector  # noqa: E402
+from tests.collectors.forwarding import store_breakdowns  # noqa: E402
 from tests.collectors.traces import build  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 6006, 4317
@@ -67,7 +70,8 @@ def main() -> int:
                                 "parent": span.parent_span_id.hex(), "attributes": attrs}
         received = {}
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(received) < len(sent):
+        wanted = len(sent) + len(builts)  # and one breakdown span per trace
+        while time.monotonic() < deadline and len(received) < wanted:
             time.sleep(1)
             response = requests.get(f"http://127.0.0.1:{HTTP_PORT}/v1/projects/default/spans/otlpv1",
                                     params={"limit": 1000}, timeout=10)
@@ -77,13 +81,15 @@ def main() -> int:
                 attrs = {}
                 for a in span.get("attributes") or []:
                     kind, raw = next(((k, v) for k, v in a["value"].items() if v is not None), (None, None))
-                    attrs[a["key"]] = int(raw) if kind == "int_value" else raw
+                    attrs[a["key"]] = int(raw) if kind == "int_value" else float(raw) if kind == "double_value" else raw
                 received[span["span_id"]] = {
                     "trace_id": span["trace_id"], "name": span["name"],
                     "start": int(span["start_time_unix_nano"]), "end": int(span["end_time_unix_nano"]),
                     "parent": span.get("parent_span_id") or "", "attributes": attrs}
-        print(json.dumps({"sent": sent, "received": received,
-                          "forwarded": collector.upstreams[0].stats.forwarded_spans}))
+        forwarded = collector.upstreams[0].stats.forwarded_spans
+        collector.store.flush()
+        store = store_breakdowns(collector.store.query)
+        print(json.dumps({"sent": sent, "received": received, "forwarded": forwarded, "store": store}))
         return 0
     finally:
         if collector is not None:

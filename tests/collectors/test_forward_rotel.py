@@ -1,7 +1,7 @@
-"""Forwarding into rotel, a real Rust OpenTelemetry collector, and back out of it unchanged."""
+"""Forwarding into rotel, a real Rust OpenTelemetry collector, and back out of it: the spans
+unchanged, plus one ``kvtrace.breakdown`` span per decided trace."""
 
 import socket
-import threading
 
 import pytest
 
@@ -10,33 +10,8 @@ from kvtrace.collectors.config import ForwardPolicy
 from kvtrace.testbed.peers import Rotel
 from kvtrace.collectors.receivers import OtlpGrpcReceiver
 from tests.helpers import wait_until
+from tests.collectors.forwarding import Sink, assert_breakdown_matches, attributes, sent_spans, store_breakdowns
 from tests.collectors.traces import build
-
-
-class Sink:
-    def __init__(self):
-        self.spans = {}
-        self.lock = threading.Lock()
-
-    def __call__(self, batch):
-        with self.lock:
-            for rs in batch.request.resource_spans:
-                resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        self.spans[span.span_id.hex()] = (span.SerializeToString(), resource, ss.scope.name)
-
-
-def sent_spans(builts):
-    out = {}
-    for built in builts:
-        for request in built.requests:
-            for rs in request.resource_spans:
-                resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        out[span.span_id.hex()] = (span.SerializeToString(), resource, ss.scope.name)
-    return out
 
 
 @pytest.fixture
@@ -58,9 +33,23 @@ def test_every_span_reaches_rotel_and_comes_back_unchanged(make_collector, rotel
         for request in built.requests:
             collector.consume(SpanBatch.of(request))
     expected = sent_spans(builts)
-    assert wait_until(lambda: len(sink.spans) >= len(expected), timeout_s=30)
+    assert wait_until(lambda: len(sink.spans) >= len(expected) and len(sink.breakdowns) >= len(builts), timeout_s=30)
     assert sink.spans == expected  # byte-for-byte: ids, times, attributes, status, resource, scope
-    assert collector.upstreams[0].stats.forwarded_spans == len(expected)
+    # exactly one breakdown span per decided trace, under its pd.request, equal to the store's row
+    by_trace = sink.breakdowns_by_trace()
+    assert sorted(by_trace) == sorted(b.trace_id for b in builts) and all(len(s) == 1 for s in by_trace.values())
+    collector.store.flush()
+    rows = store_breakdowns(collector.store.query)
+    for built in builts:
+        (span,) = by_trace[built.trace_id]
+        root = next(s for r in built.requests for rs in r.resource_spans for ss in rs.scope_spans
+                    for s in ss.spans if s.name == "pd.request")
+        assert span.parent_span_id == root.span_id and span.start_time_unix_nano == root.start_time_unix_nano
+        assert span.end_time_unix_nano - span.start_time_unix_nano == built.ttft_ns
+        attrs = attributes(span)
+        assert attrs["kvtrace.breakdown.revision"] == 1
+        assert_breakdown_matches(attrs, rows[built.trace_id])
+    assert collector.upstreams[0].stats.forwarded_spans == len(expected) + len(builts)
 
 
 def test_a_dead_upstream_loses_nothing_locally(make_collector):
@@ -104,7 +93,13 @@ def test_tail_policy_forwards_only_selected_traces(make_collector, rotel_to_sink
         for request in built.requests:
             collector.consume(SpanBatch.of(request))
     wanted = sent_spans([slow, failed])
-    assert wait_until(lambda: len(sink.spans) >= len(wanted), timeout_s=30)
+    assert wait_until(lambda: len(sink.spans) >= len(wanted) and len(sink.breakdowns) >= 2, timeout_s=30)
     assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3
                       or collector.store.flush() or False)
     assert sink.spans == wanted
+    # each forwarded trace carries its breakdown; the failed one's says so, in its status too
+    by_trace = sink.breakdowns_by_trace()
+    assert sorted(by_trace) == sorted([slow.trace_id, failed.trace_id])
+    assert [attributes(s)["kvtrace.breakdown.error"] for s in by_trace[failed.trace_id]] == [True]
+    assert by_trace[failed.trace_id][0].status.code == 2
+    assert attributes(by_trace[slow.trace_id][0])["kvtrace.breakdown.ttft_ms"] >= 170
