@@ -14,7 +14,12 @@ the moment it is quiet again after the load (every span stored, every trace deci
 from /proc; the whole-run figure adds start-up and shutdown. Rounds alternate kvtrace and
 rotel, and medians are printed, because this shared machine's speed drifts between runs.
 
-Target (issue 4): >= 100k spans/s per core for kvtrace.
+With ``--forward``, each round also runs kvtrace's collector forwarding everything to a rotel
+(pinned to the sender's core, exporting to its blackhole): the spans as received plus one
+``kvtrace.breakdown`` span per trace (``--forward-critical-path`` adds the segments), so the
+forwarding cost shows beside the same collector without it.
+
+Target (issues 4 and 13): >= 100k spans/s per core for kvtrace, with forwarding on too.
 """
 
 from __future__ import annotations
@@ -169,69 +174,122 @@ def run_process(command: list[str], port: int, load: list[bytes], warm_up: list[
     return usage.ru_utime + usage.ru_stime, after - before, wall
 
 
+def rotel_command(port: int, work: str, name: str) -> list[str]:
+    """rotel receiving OTLP/gRPC on ``port`` and exporting to its blackhole."""
+    return [rotel_binary(), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
+            "--otlp-http-endpoint", f"127.0.0.1:{free_port()}", "--exporter", "blackhole",
+            "--pid-file", os.path.join(work, f"{name}.pid"), "--log-file", os.path.join(work, f"{name}.log")]
+
+
+def run_kvtrace(work: str, name: str, load: list[bytes], warm_up: list[bytes], core: int,
+                forward: list[str]) -> dict[str, float]:
+    """One kvtrace collector run: its CPU, and what it stored, attributed and forwarded."""
+    port = free_port()
+    db = os.path.join(work, f"{name}.duckdb")
+    command = [sys.executable, "-m", "kvtrace", "collector", "--http-port", "-1", "--decision-wait", "0.5",
+               "--db", db, "--grpc-port", str(port), *forward]
+    cpu, load_cpu, wall = run_process(command, port, load, warm_up, core)
+    con = duckdb.connect(db, read_only=True)
+    stored = con.execute("SELECT count(*) FROM spans").fetchone()[0]
+    attributed = con.execute("SELECT count(*) FROM requests").fetchone()[0]
+    forwarded = con.execute("SELECT coalesce(max(forwarded_spans), 0), coalesce(max(forward_dropped), 0) "
+                            "FROM collector_health").fetchone()
+    con.close()
+    return {"cpu": cpu, "load_cpu": load_cpu, "wall": wall, "stored": stored, "attributed": attributed,
+            "forwarded": forwarded[0], "forward_dropped": forwarded[1]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", type=int, default=15_000, help="traces of 14 spans (default 15000)")
     parser.add_argument("--batch", type=int, default=500, help="spans per export request")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of kvtrace then rotel (default 3)")
+    parser.add_argument("--forward", action="store_true",
+                        help="also run kvtrace forwarding to a rotel blackhole (spans + breakdown spans)")
+    parser.add_argument("--forward-critical-path", action="store_true",
+                        help="with --forward: forward the critical-path segment spans too")
     args = parser.parse_args()
     if args.traces < 1 or args.batch < 1 or args.rounds < 1:
         parser.error("--traces, --batch and --rounds must be >= 1")
+    if args.forward_critical_path and not args.forward:
+        parser.error("--forward-critical-path goes with --forward")
     cores = sorted(os.sched_getaffinity(0))
     collector_core, sender_core = cores[0], cores[-1]
     os.sched_setaffinity(0, {sender_core})
     print(f"building {args.traces * len(STAGES):,} spans...", file=sys.stderr)
     load = make_load(args.traces, args.batch)
     spans = args.traces * len(STAGES)
+    warm_traces = 200
+    warm_up = make_load(warm_traces, args.batch, seed=2)  # other traces, sent first to each collector
+    warm_spans = warm_traces * len(STAGES)
+    all_spans, all_traces = spans + warm_spans, args.traces + warm_traces
 
-    warm_up = make_load(200, args.batch, seed=2)  # other traces, sent first to each collector
-    warm_spans = 200 * len(STAGES)
-
-    kvtrace_cmd = [sys.executable, "-m", "kvtrace", "collector", "--http-port", "-1", "--decision-wait", "0.5"]
-    rounds: list[dict[str, float]] = []
+    configs = ["kvtrace", *(["forwarding"] if args.forward else []), "rotel"]
+    rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for number in range(1, args.rounds + 1):
-            row: dict[str, float] = {}
+            row: dict[str, dict[str, float]] = {}
             work = os.path.join(tmp, f"round-{number}")
             os.mkdir(work)
-            print(f"round {number}/{args.rounds}: kvtrace collector, then rotel...", file=sys.stderr)
+            print(f"round {number}/{args.rounds}: {', then '.join(configs)}...", file=sys.stderr)
+            row["kvtrace"] = run_kvtrace(work, "plain", load, warm_up, collector_core, [])
+            if args.forward:
+                upstream_port = free_port()
+                upstream = subprocess.Popen(["taskset", "-c", str(sender_core),
+                                             *rotel_command(upstream_port, work, "upstream")],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            start_new_session=True)
+                try:
+                    grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{upstream_port}")).result(timeout=30)
+                    flags = ["--forward", f"grpc://127.0.0.1:{upstream_port}",
+                             *(["--forward-critical-path"] if args.forward_critical_path else [])]
+                    row["forwarding"] = run_kvtrace(work, "forwarding", load, warm_up, collector_core, flags)
+                finally:
+                    os.killpg(upstream.pid, signal.SIGTERM)
+                    upstream.wait(30)
             port = free_port()
-            db = os.path.join(work, "bench.duckdb")
-            row["kvtrace_cpu"], row["kvtrace_load_cpu"], row["kvtrace_wall"] = run_process(
-                [*kvtrace_cmd, "--db", db, "--grpc-port", str(port)], port, load, warm_up, collector_core)
-            con = duckdb.connect(db, read_only=True)
-            row["stored"] = con.execute("SELECT count(*) FROM spans").fetchone()[0] - warm_spans
-            row["attributed"] = con.execute("SELECT count(*) FROM requests").fetchone()[0] - 200
-            con.close()
-            port = free_port()
-            rotel = [rotel_binary(), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
-                     "--otlp-http-endpoint", f"127.0.0.1:{free_port()}", "--exporter", "blackhole",
-                     "--pid-file", os.path.join(work, "rotel.pid"), "--log-file", os.path.join(work, "rotel.log")]
-            row["rotel_cpu"], row["rotel_load_cpu"], row["rotel_wall"] = run_process(
-                rotel, port, load, warm_up, collector_core)
-            row["whole"] = (spans + warm_spans) / row["kvtrace_cpu"]
-            row["steady"] = spans / max(row["kvtrace_load_cpu"], 1e-9)
-            row["rotel_steady"] = spans / max(row["rotel_load_cpu"], 1e-9)
-            row["ratio"] = row["steady"] / row["rotel_steady"]
+            cpu, load_cpu, wall = run_process(rotel_command(port, work, "rotel"), port, load, warm_up, collector_core)
+            row["rotel"] = {"cpu": cpu, "load_cpu": load_cpu, "wall": wall}
+            for result in row.values():
+                result["steady"] = spans / max(result["load_cpu"], 1e-9)
+                result["whole"] = all_spans / result["cpu"]
             rounds.append(row)
 
     print(f"{spans:,} spans in {len(load)} OTLP/gRPC requests; collector pinned to core {collector_core}, "
-          f"sender on core {sender_core}; {args.rounds} rounds, kvtrace and rotel alternated")
+          f"sender{' and upstream rotel' if args.forward else ''} on core {sender_core}; {args.rounds} rounds, "
+          f"{', '.join(configs)} alternated")
     print("spans per CPU-second. steady state: the load's CPU alone, from quiet after a warm-up of "
           f"{warm_spans:,} spans to quiet after every span is stored; whole run: with start-up and shutdown")
-    print(f"{'round':<7}{'kvtrace steady':>16}{'whole run':>11}{'rotel steady':>14}{'whole run':>11}"
-          f"{'kvtrace/rotel':>15}{'stored':>10}{'attributed':>12}")
+    header = f"{'round':<7}" + "".join(f"{name + ' steady':>20}{'whole run':>11}" for name in configs)
+    print(header + (f"{'fwd/plain':>11}" if args.forward else "") + f"{'kvtrace/rotel':>15}")
+
+    def line(label: str, row: dict[str, dict[str, float]]) -> str:
+        text = f"{label:<7}" + "".join(f"{row[name]['steady']:>20,.0f}{row[name]['whole']:>11,.0f}" for name in configs)
+        if args.forward:
+            text += f"{row['forwarding']['steady'] / row['kvtrace']['steady']:>11.3f}"
+        return text + f"{row['kvtrace']['steady'] / row['rotel']['steady']:>15.3f}"
+
     for number, row in enumerate(rounds, 1):
-        print(f"{number:<7}{row['steady']:>16,.0f}{row['whole']:>11,.0f}{row['rotel_steady']:>14,.0f}"
-              f"{(spans + warm_spans) / row['rotel_cpu']:>11,.0f}{row['ratio']:>15.3f}{row['stored']:>10,.0f}"
-              f"{row['attributed']:>12,.0f}")
-    median = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
-    print(f"{'median':<7}{median['steady']:>16,.0f}{median['whole']:>11,.0f}{median['rotel_steady']:>14,.0f}"
-          f"{(spans + warm_spans) / median['rotel_cpu']:>11,.0f}{median['ratio']:>15.3f}")
-    complete = all(row["stored"] == spans and row["attributed"] == args.traces for row in rounds)
-    print(f"every span stored and every trace attributed in every round: {'yes' if complete else 'NO'}")
-    print("target >= 100,000 spans/s per core (median steady state):",
-          "met" if median["steady"] >= 100_000 and complete else "not met")
+        print(line(str(number), row))
+    median = {name: {key: statistics.median(row[name][key] for row in rounds) for key in ("steady", "whole")}
+              for name in configs}
+    print(line("median", median))
+    kvtrace_runs = [row[name] for row in rounds for name in configs if name != "rotel"]
+    complete = all(r["stored"] == all_spans and r["attributed"] == all_traces for r in kvtrace_runs)
+    print(f"every span stored and every trace attributed in every kvtrace run: {'yes' if complete else 'NO'}")
+    verdict = median["kvtrace"]["steady"] >= 100_000 and complete
+    if args.forward:
+        forwarded = [row["forwarding"] for row in rounds]
+        # at least every span and one breakdown span per trace (segments, when on, come on top)
+        everything = all(r["forwarded"] >= all_spans + all_traces and r["forward_dropped"] == 0 for r in forwarded)
+        counts = ", ".join(f"{r['forwarded']:,.0f}" for r in forwarded)
+        print(f"forwarded per round (spans + breakdown spans): {counts}; expected at least "
+              f"{all_spans + all_traces:,}; dropped: {sum(r['forward_dropped'] for r in forwarded):,.0f}")
+        print(f"every span and one breakdown per trace forwarded in every round: {'yes' if everything else 'NO'}")
+        verdict = verdict and everything and median["forwarding"]["steady"] >= 100_000
+    print("target >= 100,000 spans/s per core (median steady state" + (", with and without forwarding" if args.forward
+                                                                          else "") + "):",
+          "met" if verdict else "not met")
     return 0
 
 

@@ -135,9 +135,10 @@ class Collector:
             self._thread.join()
         self.assembler.poll(flush_all=True)
         self._send_breakdowns()
-        self.store.shutdown()
         for upstream in self.upstreams:
             upstream.shutdown()
+        self.store.add_health(self.status())  # the final counts, forwarding included
+        self.store.shutdown()
         self.wal.close()
 
     # ------------------------------------------------------------------ ingestion (receiver threads)
