@@ -76,6 +76,8 @@ for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
     for _stage in _stages:
         _DETAILS.setdefault(semconv.STAGE_LABELS[_stage], []).append(_key)
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
+_CLIENT_SPAN = semconv.SPAN_CLIENT_REQUEST
+_CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
@@ -91,7 +93,11 @@ class Attributor:
         mode = ""
         p_any = d_any = None  # a span from P and from D: their instances
         first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
+        client = None
         for span in spans:
+            if span.name == _CLIENT_SPAN:  # the load generator's view: read, but not a stage
+                client = span
+                continue
             origin = span.origin
             known = first_of.get(origin.instance)
             if known is None or span.start < known.start:
@@ -126,8 +132,9 @@ class Attributor:
             ttft = root.attrs.get(_TTFT)
             end = start + int(ttft) if ttft else (first[1] if first else root.end)
         else:
-            start = min(t[0] for t in timings.values())
-            end = first[1] if first else max(t[1] for t in timings.values())
+            # (only a client span: the request never reached the router; an empty breakdown)
+            start = min((t[0] for t in timings.values()), default=client.start if client else 0)
+            end = first[1] if first else max((t[1] for t in timings.values()), default=start)
         parts, critical, segments = self._walk(timings, PREDECESSORS[mode], start, end)
 
         missing = EXPECTED[mode] - index.keys()
@@ -144,6 +151,10 @@ class Attributor:
             e2e_ns=root.end - root.start if root is not None else 0,
         )
         self._details(breakdown, spans)
+        if client is not None:
+            breakdown.client = {key: value for key, value in client.attrs.items() if key in _CLIENT_KEYS}
+            if not breakdown.run_id:
+                breakdown.run_id = client.origin.run_id
         return breakdown
 
     # ------------------------------------------------------------------ the walk

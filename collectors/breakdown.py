@@ -79,6 +79,8 @@ class Breakdown:
     output_tokens: int = 0
     last_token_ns: int = 0  # from the start, as the router saw it; 0 if unknown
     block_count: int = 0  # KV blocks D allocated for the request
+    client: dict[str, float] = field(default_factory=dict)  # the load generator's client span's
+    # measures and point (semconv.CLIENT_ATTRIBUTES present on it), when a sweep sent the request
     segments: list[Segment] = field(default_factory=list)  # the critical path, first to last
     root_span_id: bytes = b""  # pd.request's span id, b"" when the trace has no root
 

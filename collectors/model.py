@@ -56,9 +56,11 @@ for (_side, _name), _stage in semconv.STAGE_OF_SPAN.items():
     _STAGES_OF_SIDE.setdefault(_side.value, {})[_name] = semconv.STAGE_LABELS[_stage]
 _NO_STAGES: dict[str, str] = {}
 # The span attributes the collector reads; the rest stay in the original, unread.
-WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES})
+WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES,
+                               *semconv.CLIENT_ATTRIBUTES, semconv.RUN_CONFIG})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                            semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME})
+                            semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME,
+                            semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE})
 _SPAN_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in WANTED_ATTRIBUTES}
 _RESOURCE_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in _RESOURCE_KEYS}
 
@@ -89,6 +91,9 @@ class Origin:
     resource: bytes = b""  # the original Resource message
     run_id: str = ""  # the experiment run it serves (kvtrace.run.id), if any
     host: str = ""  # host.name: processes on one host share one clock
+    vllm_version: str = ""  # what the sender runs: run records show the engines'
+    nixl_version: str = ""
+    hardware: str = ""
 
     @classmethod
     def of(cls, attributes: dict[str, Any], resource: bytes = b"") -> "Origin":
@@ -99,7 +104,10 @@ class Origin:
         return cls(service, str(attributes.get(semconv.RES_SERVICE_INSTANCE_ID) or service), role,
                    str(attributes.get(semconv.RES_MODE) or ""), side, _STAGES_OF_SIDE.get(side, _NO_STAGES),
                    resource, str(attributes.get(semconv.RES_RUN_ID) or ""),
-                   str(attributes.get(semconv.RES_HOST_NAME) or ""))
+                   str(attributes.get(semconv.RES_HOST_NAME) or ""),
+                   str(attributes.get(semconv.RES_VLLM_VERSION) or ""),
+                   str(attributes.get(semconv.RES_NIXL_VERSION) or ""),
+                   str(attributes.get(semconv.RES_HARDWARE) or ""))
 
 
 class SpanRow(NamedTuple):

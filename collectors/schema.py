@@ -8,7 +8,12 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
   completeness, clock offsets, and each stage of the breakdown as parallel lists
   (``stage_ids`` into ``stage_keys``, ``stage_start_ns``/``stage_end_ns`` on the router's
   clock, ``stage_critical_ns``) — the attribution's own numbers, stored as it made them rather
-  than recomputed in SQL. ``flush_id`` is the commit that wrote the row.
+  than recomputed in SQL. ``flush_id`` is the commit that wrote the row. A request a load
+  generator sent (``kvtrace bench sweep``) also has its client's measures (``client_*``) and
+  its point (``point_rate`` or ``point_concurrency``, ``point_prompt_tokens``); ``run_id``
+  groups it with its run.
+* ``runs`` — one row per run record (``kvtrace.run`` span): the run's configuration and the load
+  generator's per-point results, as JSON (``config``).
 * ``stage_keys`` — one row per (side, stage) ever seen, with its category: the contract's
   stages and any other a sender names, each given a small id on first sight.
 * ``stages`` — a view: those lists unnested, one row per (trace, stage).
@@ -42,7 +47,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 """Bump when a table, view or rollup changes: a file with another version is refused."""
 
 PARTS: Final = tuple(c.value for c in semconv.BREAKDOWN_CATEGORIES)
@@ -86,7 +91,8 @@ CREATE TABLE IF NOT EXISTS span_rows (
     origin_id INTEGER, start_ns BIGINT, end_ns BIGINT, status TINYINT, batch_id BIGINT, batch_index INTEGER
 );
 CREATE TABLE IF NOT EXISTS origins (
-    origin_id INTEGER PRIMARY KEY, service VARCHAR, instance VARCHAR, role VARCHAR, mode VARCHAR, run_id VARCHAR
+    origin_id INTEGER PRIMARY KEY, service VARCHAR, instance VARCHAR, role VARCHAR, mode VARCHAR, run_id VARCHAR,
+    vllm_version VARCHAR, nixl_version VARCHAR, hardware VARCHAR
 );
 CREATE TABLE IF NOT EXISTS batches (
     batch_id BIGINT, collector_run_id VARCHAR, wal_segment INTEGER, wal_offset BIGINT, bytes INTEGER,
@@ -101,7 +107,12 @@ CREATE TABLE IF NOT EXISTS requests (
     prefill_instance VARCHAR, decode_instance VARCHAR, complete BOOLEAN, missing VARCHAR, error BOOLEAN,
     clock_offsets MAP(VARCHAR, BIGINT), clock_bounds MAP(VARCHAR, BIGINT), clock_suspect BOOLEAN,
     stage_ids SMALLINT[], stage_start_ns BIGINT[], stage_end_ns BIGINT[], stage_critical_ns BIGINT[],
-    flush_id BIGINT, updated_at TIMESTAMPTZ
+    flush_id BIGINT, updated_at TIMESTAMPTZ,
+    client_ttft_ms DOUBLE, client_tpot_ms DOUBLE, client_itl_p50_ms DOUBLE, client_itl_p99_ms DOUBLE,
+    client_output_tokens INTEGER, point_rate DOUBLE, point_concurrency INTEGER, point_prompt_tokens INTEGER
+);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id VARCHAR PRIMARY KEY, recorded_at TIMESTAMPTZ, config VARCHAR
 );
 CREATE TABLE IF NOT EXISTS stage_keys (
     stage_key SMALLINT PRIMARY KEY, side VARCHAR, stage VARCHAR, category VARCHAR
@@ -239,5 +250,5 @@ def rollup_statements(where: str, sign: int) -> list[str]:
 
 def describe() -> str:
     """The tables a user can query, for ``kvtrace query --help`` and the README."""
-    return ("requests (one row per trace), stages (view), spans (view), request_rollup, tpot_rollup, "
-            "stage_rollup, stage_keys, collector_runs, collector_health, batches")
+    return ("requests (one row per trace), runs (one per sweep run), stages (view), spans (view), request_rollup, "
+            "tpot_rollup, stage_rollup, stage_keys, collector_runs, collector_health, batches")

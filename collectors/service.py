@@ -21,6 +21,7 @@ import time
 import zlib
 from typing import Any
 
+from kvtrace.telemetry import semconv
 from kvtrace.telemetry.versions import installed_version
 
 from .assembler import Assembler
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 5.0
 BREAKDOWN_BATCH_SPANS = 512  # breakdown spans per export request (tee-all mode) ...
 BREAKDOWN_BATCH_WAIT_S = 0.2  # ... or fewer, once the first has waited this long
-MAX_REVISIONS_KEPT = 100_000  # forwarded traces whose breakdown revision is remembered
+MAX_REVISIONS_KEPT = 100_000
+_RUN_SPAN = semconv.SPAN_RUN  # forwarded traces whose breakdown revision is remembered
 
 
 class Busy(RetryLater):
@@ -214,6 +216,11 @@ class Collector:
                 upstream.consume(batch.payload, len(batch.rows))
 
     def _on_trace(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
+        if spans[0].name == _RUN_SPAN:  # a run record, in a trace of its own: no request to attribute
+            for span in spans:
+                if span.name == _RUN_SPAN and span.origin.run_id:
+                    self.store.add_run(span.origin.run_id, str(span.attrs.get(semconv.RUN_CONFIG) or "{}"), span.end)
+            return
         trace_hex = trace_id.hex()
         if self._replaying:
             spans = self._with_stored(trace_hex, spans)

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import duckdb
 import pyarrow as pa
 
+from kvtrace.telemetry import semconv
+
 from . import schema
 from .breakdown import STAGE_CATEGORY, Breakdown
 from .model import Origin, SpanBatch, SpanColumns
@@ -79,6 +81,7 @@ class Store:
         self._breakdowns: dict[str, tuple[Breakdown, bool]] = {}  # trace id -> (breakdown, replaces)
         self._health: list[tuple] = []
         self._clock_samples: list[tuple] = []
+        self._runs: dict[str, tuple] = {}
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
         self.committed_at = 0.0  # wall time of this process's last commit
@@ -158,6 +161,12 @@ class Store:
             earlier = self._breakdowns.get(breakdown.trace_id)
             self._breakdowns[breakdown.trace_id] = (breakdown, replaces or (earlier is not None and earlier[1]))
 
+    def add_run(self, run_id: str, config: str, at_ns: int) -> None:
+        """A run record (``kvtrace.run``): its configuration and results as JSON, written with the
+        next commit; a run recorded again replaces its row."""
+        with self._lock:
+            self._runs[run_id] = (run_id, datetime.fromtimestamp(at_ns / 1e9, timezone.utc), config)
+
     def add_clock_sample(self, sample: Any) -> None:
         """One measured offset of a sender (:class:`.clocks.Sample`), written with the next commit."""
         with self._lock:
@@ -212,8 +221,9 @@ class Store:
             decided, self._breakdowns = list(self._breakdowns.values()), {}
             health, self._health = self._health, []
             samples, self._clock_samples = self._clock_samples, []
+            runs, self._runs = list(self._runs.values()), {}
             position = self._position
-        if not batches and not decided and not health and not samples and position is None:
+        if not batches and not decided and not health and not samples and not runs and position is None:
             return
         with self._db_lock:  # the origin registry is the writer's too
             flush_id = self.data_version + 1
@@ -247,6 +257,10 @@ class Store:
                 instance, sent_at, offset, bound = zip(*samples)
                 tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(
                     sent_at, pa.timestamp("us", tz="UTC")), "offset_ms": offset, "bound_ms": bound})
+            if runs:
+                run_ids, recorded, configs = zip(*runs)
+                tables["runs"] = pa.table({"run_id": run_ids, "recorded_at": pa.array(
+                    recorded, pa.timestamp("us", tz="UTC")), "config": configs})
             if health:
                 tables["collector_health"] = pa.table(list(zip(*health)),
                                                       names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
@@ -268,7 +282,8 @@ class Store:
     def _origin_id(self, origin: Origin, new: dict[tuple[str, ...], int]) -> int:
         """The sender's id in ``origins``; one seen for the first time gets the next id, in
         ``new`` until the flush that writes it commits."""
-        key = (origin.service, origin.instance, origin.role, origin.mode, origin.run_id)
+        key = (origin.service, origin.instance, origin.role, origin.mode, origin.run_id, origin.vllm_version,
+               origin.nixl_version, origin.hardware)
         found = self._origin_ids.get(key, new.get(key))
         if found is None:
             found = new[key] = len(self._origin_ids) + len(new) + 1
@@ -297,8 +312,8 @@ class Store:
                 con.execute("DELETE FROM requests WHERE trace_id IN (SELECT unnest(?))", [replaced])
             for name, table in tables.items():
                 con.register("incoming", table)
-                con.execute(_INSERT_SPANS if name == "spans" else
-                            f"INSERT {on_conflict if name == 'requests' else ''} INTO {name} SELECT * FROM incoming")
+                conflict = on_conflict if name == "requests" else "OR REPLACE" if name == "runs" else ""
+                con.execute(_INSERT_SPANS if name == "spans" else f"INSERT {conflict} INTO {name} SELECT * FROM incoming")
                 con.unregister("incoming")
             if "requests" in tables:
                 for statement in _ADD_ROLLUPS:  # only rows this commit wrote carry its flush id
@@ -423,12 +438,34 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
         "stage_critical_ns": lists(critical, pa.int64()),
         "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
+        **{column: pa.array([_client_value(b.client, key, scale) for b in breakdowns], kind)
+           for column, key, scale, kind in _CLIENT_COLUMNS},
     })
+
+
+_CLIENT_COLUMNS = (  # requests column, client span attribute, divisor, type
+    ("client_ttft_ms", semconv.CLIENT_TTFT_NS, 1e6, pa.float64()),
+    ("client_tpot_ms", semconv.CLIENT_TPOT_NS, 1e6, pa.float64()),
+    ("client_itl_p50_ms", semconv.CLIENT_ITL_P50_NS, 1e6, pa.float64()),
+    ("client_itl_p99_ms", semconv.CLIENT_ITL_P99_NS, 1e6, pa.float64()),
+    ("client_output_tokens", semconv.CLIENT_OUTPUT_TOKENS, None, pa.int32()),
+    ("point_rate", semconv.BENCH_RATE, None, pa.float64()),
+    ("point_concurrency", semconv.BENCH_CONCURRENCY, None, pa.int32()),
+    ("point_prompt_tokens", semconv.BENCH_PROMPT_TOKENS, None, pa.int32()),
+)
+
+
+def _client_value(client: dict[str, float], key: str, scale: float | None) -> float | None:
+    """A client-span measure for its column (None where the request had no client span or lacks it)."""
+    value = client.get(key) if client else None
+    if value is None:
+        return None
+    return value / scale if scale else value
 
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _ZEROS = itertools.repeat(0)
-_ORIGIN_COLUMNS = ("service", "instance", "role", "mode", "run_id")
+_ORIGIN_COLUMNS = ("service", "instance", "role", "mode", "run_id", "vllm_version", "nixl_version", "hardware")
 
 
 def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: list[list[int]]) -> pa.Table:

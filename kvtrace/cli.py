@@ -138,6 +138,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "sweep":
+        return _cmd_sweep(args.bench_args)
     script = Path(__file__).resolve().parent.parent / "bench" / _BENCHES[args.name]
     if not script.exists():
         print(f"kvtrace bench: {script} not found (benchmarks run from a source checkout)",
@@ -145,6 +147,104 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     sys.argv = [str(script), *args.bench_args]
     runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _sweep_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrace bench sweep", description="Open-loop load sweep against a kvtrace router, each run recorded "
+        "in the collector's store (see the README).")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--router", metavar="URL", help="a running deployment's kvtrace router (one run)")
+    target.add_argument("--local", action="store_true",
+                        help="start the local testbed pair for each --mode, and the collector on --db")
+    parser.add_argument("--mode", action="append", choices=["push", "pull"],
+                        help="repeatable with --local (one run each); with --router, the deployment's mode")
+    parser.add_argument("--collector", metavar="URL",
+                        help="with --router: the collector's OTLP/HTTP endpoint for the run record and client "
+                             "spans (default $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://127.0.0.1:4318)")
+    parser.add_argument("--db", help="with --local: the store the sweep's collector writes")
+    parser.add_argument("--model", default="tiny", help="with --local: the testbed model recipe "
+                        "(tiny, kv-heavy; default tiny)")
+    parser.add_argument("--served-model", help="the model name in requests (default: tiny with --local)")
+    parser.add_argument("--prompt-tokens", required=True, metavar="N,N,...", help="prompt lengths, comma-separated")
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", metavar="R,R,...", help="Poisson arrival rates, requests/s, comma-separated")
+    load.add_argument("--concurrency", metavar="C,C,...", help="fixed concurrencies instead, comma-separated")
+    parser.add_argument("--requests", type=int, default=12, help="requests per point, after warm-up (default 12)")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (ignore_eos; default 16)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests per run before the points (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default 0)")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="per point: stop sending after (default 600)")
+    parser.add_argument("--log-dir", help="with --local: keep the pair's logs here")
+    return parser
+
+
+def _numbers(text: str, kind: type, flag: str) -> list:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if not values:
+        raise ValueError(f"{flag}: no values")
+    return values
+
+
+def _cmd_sweep(argv: list[str]) -> int:
+    from kvtrace.experiment.loadgen import Point
+    from kvtrace.experiment.sweep import SweepConfig, sweep
+
+    parser = _sweep_parser()
+    args = parser.parse_args(argv)
+    modes = args.mode or ["push"]
+    if args.router and len(modes) > 1:
+        parser.error("--router runs one configuration: give one --mode (the deployment's)")
+    if args.local and not args.db:
+        parser.error("--local needs --db PATH")
+    try:
+        lengths = _numbers(args.prompt_tokens, int, "--prompt-tokens")
+        if args.rate:
+            points = [Point(n, rate=r) for n in lengths for r in _numbers(args.rate, float, "--rate")]
+        else:
+            points = [Point(n, concurrency=c) for n in lengths for c in _numbers(args.concurrency, int, "--concurrency")]
+        config = SweepConfig(points=points, requests=args.requests, output_tokens=args.output_tokens,
+                             warmup=args.warmup, seed=args.seed, max_seconds=args.max_seconds,
+                             model_name=args.served_model or "tiny")
+        config.validate()
+        run_ids = sweep(config, modes=modes, router=args.router, collector=args.collector, db=args.db,
+                        model=args.model, log_dir=args.log_dir)
+    except ValueError as exc:
+        print(f"kvtrace bench sweep: {exc}", file=sys.stderr)
+        return 2
+    print("runs recorded: " + " ".join(run_ids))
+    if len(run_ids) == 2:
+        where = f"--db {args.db}" if args.db else "--collector QUERY_URL"
+        print(f"compare: kvtrace compare {run_ids[0]} {run_ids[1]} {where}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from kvtrace.collectors.query_service import QueryRefused
+    from kvtrace.collectors.reader import StoreUnavailable, open_store
+    from kvtrace.experiment import analysis
+
+    if not args.db and not args.collector:
+        print(f"kvtrace {args.command}: give --db PATH (or --collector URL)", file=sys.stderr)
+        return 2
+    try:
+        reader = open_store(args.db, collector=args.collector, token=args.token)
+        if args.command == "compare":
+            result = analysis.compare(reader, args.run_a, args.run_b)
+            print(analysis.compare_text(result, args.run_a, args.run_b))
+            if args.out:
+                written = analysis.save_figures(analysis.compare_figures(result, args.run_a, args.run_b),
+                                                args.out, f"compare-{args.run_a}-{args.run_b}")
+                print("plots: " + ", ".join(str(p) for p in written))
+        else:
+            print(analysis.whatif_text(analysis.whatif(reader, args.run, against=args.against)))
+    except (StoreUnavailable, QueryRefused, analysis.RunNotFound, ValueError) as exc:
+        print(f"kvtrace {args.command}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -214,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                    ).set_defaults(func=_cmd_version)
     sub.add_parser("contract", help="print the span contract (span names, attributes) as Markdown"
                    ).set_defaults(func=_cmd_contract)
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (source checkout)")
-    bench.add_argument("name", choices=sorted(_BENCHES))
+    bench = sub.add_parser("bench", help="`bench sweep`: the push-vs-pull load sweep (`kvtrace bench sweep "
+                           "--help`); others: a benchmark from bench/ (source checkout)")
+    bench.add_argument("name", choices=sorted([*_BENCHES, "sweep"]))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
     router = sub.add_parser("router", help="the P/D router: one OpenAI endpoint in front of P and D")
@@ -238,6 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(e.g. http://jaeger:16686/trace/{trace_id}; default: $KVTRACE_APM_URL)")
     dashboard.add_argument("--refresh", type=float, default=5.0, help="seconds between live updates (default 5)")
     dashboard.set_defaults(func=_cmd_dashboard)
+    compare = sub.add_parser("compare", help="two sweep runs side by side, per point: TTFT/TPOT/ITL and the breakdown")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    _store_arguments(compare)
+    compare.add_argument("--out", metavar="DIR", help="also save the plots there (HTML, and PNG with kaleido)")
+    compare.set_defaults(func=_cmd_compare)
+    whatif = sub.add_parser("whatif", help="from one run's traces, the TTFT the other mode would have given")
+    whatif.add_argument("run")
+    whatif.add_argument("--against", metavar="RUN", help="a run of the other mode over the same points: "
+                        "print its measured TTFT and the estimate's error")
+    _store_arguments(whatif)
+    whatif.set_defaults(func=_cmd_compare)
     query = sub.add_parser("query", help="one read-only SQL SELECT on a store, running collector or not")
     _store_arguments(query)
     query.add_argument("sql", help="a SELECT over the store's tables: requests, stages, spans, request_rollup, ...")

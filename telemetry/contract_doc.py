@@ -36,7 +36,8 @@ def _read_on(key: str, prefix: str) -> str:
     if key == semconv.ATTR_STAGE:
         return "spans outside the stage table"
     if prefix == "RES_" and key in (semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
-                                    semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME):
+                                    semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME,
+                                    semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE):
         return "every resource"
     return ""
 
@@ -83,6 +84,11 @@ def render() -> str:
             if value not in seen:
                 seen.add(value)
                 lines.append(f"| `{value}` | {_markdown(doc)} | {_read_on(value, prefix)} |")
+    lines += ["", "## The load generator's spans (`kvtrace bench sweep`)", "",
+              f"`{semconv.SPAN_CLIENT_REQUEST}`: {_markdown(_doc_of('SPAN_CLIENT_REQUEST'))}", "",
+              f"`{semconv.SPAN_RUN}`: {_markdown(_doc_of('SPAN_RUN'))}", "", "| key | meaning |", "|---|---|"]
+    lines += [f"| `{value}` | {_markdown(doc)} |"
+              for prefix in ("CLIENT_", "BENCH_", "RUN_") for value, doc in _constants(prefix)]
     lines += _breakdown_section()
     lines += ["", "## Closed value sets", ""]
     for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,

