@@ -217,8 +217,9 @@ class Router:
                 decode_first = asyncio.ensure_future(anext(stream))
                 try:
                     await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
-                    prefill.result()  # P failed → stop waiting on D, which would wait for a push
-                    first_chunk = await decode_first
+                    if prefill.done():
+                        prefill.result()  # P failed → stop waiting on D, which would wait for a push
+                    first_chunk = await decode_first  # (D failed first: its error, whatever P does)
                 finally:
                     for task in (prefill, decode_first):
                         if not task.done():

@@ -7,10 +7,12 @@ sources, read in sorted order:
 * ``tiny`` — two layers, hidden size 256, 4 attention heads over 2 KV heads of 64 dimensions
   (the CPU attention backend wants head sizes of 32 to 512), about 3 M parameters: 1 KiB of
   KV cache per token, so prefill and decode dominate and the pair starts fast.
-* ``kv-heavy`` — transfer-heavy: 32 layers of 8 KV heads (64 dimensions) but a hidden size of
-  128 and a small MLP, so each layer computes little while the KV cache is 64 KiB per token
-  (Qwen3-32B: 256 KiB). On a CPU with loopback UCX, moving the KV cache and coordinating the
-  move become a visible share of TTFT instead of noise beside prefill.
+* ``kv-heavy`` — transfer-heavy: 32 layers of 8 KV heads (64 dimensions; 16 query heads) with
+  tiny's hidden size of 256 and small MLP, so each layer computes little while the KV cache is
+  64 KiB per token (Qwen3-32B: 256 KiB). On a CPU with loopback UCX, moving the KV cache and
+  coordinating the move become a visible share of TTFT instead of noise beside prefill. (With
+  as many query heads as KV heads, vLLM 0.32's CPU decode worker died of SIGILL on this
+  machine's CPU; two query heads per KV head, as in tiny, runs.)
 
 The same inputs give the same folder; its name carries a hash of the recipe so a changed
 recipe never reuses a stale build.
@@ -29,8 +31,8 @@ _COMMON = {"architecture": "LlamaForCausalLM", "head_dim": 64, "vocab_size": 409
 RECIPES: dict[str, dict] = {
     "tiny": {**_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2},
-    "kv-heavy": {**_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 32,
-                 "num_attention_heads": 8, "num_key_value_heads": 8},
+    "kv-heavy": {**_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 32,
+                 "num_attention_heads": 16, "num_key_value_heads": 8},
 }
 DEFAULT_RECIPE = "tiny"
 RECIPE = RECIPES[DEFAULT_RECIPE]
