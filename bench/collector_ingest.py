@@ -14,10 +14,10 @@ the moment it is quiet again after the load (every span stored, every trace deci
 from /proc; the whole-run figure adds start-up and shutdown. Rounds alternate kvtrace and
 rotel, and medians are printed, because this shared machine's speed drifts between runs.
 
-With ``--forward``, each round also runs kvtrace's collector forwarding everything to a rotel
-(pinned to the sender's core, exporting to its blackhole): the spans as received plus one
-``kvtrace.breakdown`` span per trace (``--forward-critical-path`` adds the segments), so the
-forwarding cost shows beside the same collector without it.
+With ``--forward``, each round also runs kvtrace's collector forwarding to a rotel (pinned to
+the sender's core, exporting to its blackhole): once the spans as received only ("tee"), once
+with one ``kvtrace.breakdown`` span per trace too ("forwarding"; ``--forward-critical-path``
+adds the segments), so each cost shows beside the same collector without it.
 
 Target (issues 4 and 13): >= 100k spans/s per core for kvtrace, with forwarding on too.
 """
@@ -224,7 +224,9 @@ def main() -> int:
     warm_spans = warm_traces * len(STAGES)
     all_spans, all_traces = spans + warm_spans, args.traces + warm_traces
 
-    configs = ["kvtrace", *(["forwarding"] if args.forward else []), "rotel"]
+    # "tee": forwarding the spans as received only (--no-forward-breakdown); "forwarding": with
+    # the breakdown spans too. Their difference is what the breakdown spans cost.
+    configs = ["kvtrace", *(["tee", "forwarding"] if args.forward else []), "rotel"]
     rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for number in range(1, args.rounds + 1):
@@ -241,9 +243,11 @@ def main() -> int:
                                             start_new_session=True)
                 try:
                     grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{upstream_port}")).result(timeout=30)
-                    flags = ["--forward", f"grpc://127.0.0.1:{upstream_port}",
-                             *(["--forward-critical-path"] if args.forward_critical_path else [])]
-                    row["forwarding"] = run_kvtrace(work, "forwarding", load, warm_up, collector_core, flags)
+                    flags = ["--forward", f"grpc://127.0.0.1:{upstream_port}"]
+                    row["tee"] = run_kvtrace(work, "tee", load, warm_up, collector_core,
+                                             [*flags, "--no-forward-breakdown"])
+                    row["forwarding"] = run_kvtrace(work, "forwarding", load, warm_up, collector_core, [
+                        *flags, *(["--forward-critical-path"] if args.forward_critical_path else [])])
                 finally:
                     os.killpg(upstream.pid, signal.SIGTERM)
                     upstream.wait(30)
@@ -261,12 +265,12 @@ def main() -> int:
     print("spans per CPU-second. steady state: the load's CPU alone, from quiet after a warm-up of "
           f"{warm_spans:,} spans to quiet after every span is stored; whole run: with start-up and shutdown")
     header = f"{'round':<7}" + "".join(f"{name + ' steady':>20}{'whole run':>11}" for name in configs)
-    print(header + (f"{'fwd/plain':>11}" if args.forward else "") + f"{'kvtrace/rotel':>15}")
+    print(header + (f"{'tee/plain':>11}{'fwd/plain':>11}" if args.forward else "") + f"{'kvtrace/rotel':>15}")
 
     def line(label: str, row: dict[str, dict[str, float]]) -> str:
         text = f"{label:<7}" + "".join(f"{row[name]['steady']:>20,.0f}{row[name]['whole']:>11,.0f}" for name in configs)
         if args.forward:
-            text += f"{row['forwarding']['steady'] / row['kvtrace']['steady']:>11.3f}"
+            text += "".join(f"{row[name]['steady'] / row['kvtrace']['steady']:>11.3f}" for name in ("tee", "forwarding"))
         return text + f"{row['kvtrace']['steady'] / row['rotel']['steady']:>15.3f}"
 
     for number, row in enumerate(rounds, 1):
@@ -279,6 +283,8 @@ def main() -> int:
     print(f"every span stored and every trace attributed in every kvtrace run: {'yes' if complete else 'NO'}")
     verdict = median["kvtrace"]["steady"] >= 100_000 and complete
     if args.forward:
+        if any(row["tee"]["forwarded"] < all_spans for row in rounds):
+            print("tee: NOT every span was forwarded")
         forwarded = [row["forwarding"] for row in rounds]
         # at least every span and one breakdown span per trace (segments, when on, come on top)
         everything = all(r["forwarded"] >= all_spans + all_traces and r["forward_dropped"] == 0 for r in forwarded)

@@ -36,13 +36,14 @@ import pyarrow as pa
 
 from kvtrace.telemetry import semconv
 
-from . import schema
+from . import runs, schema
 from .model import decode, rebuild_request
 from .query_service import QueryRefused, endpoint_file, run_query
 from .wal import read_record
 
 PARTS = schema.PARTS
 PART_COLUMNS = schema.PART_COLUMNS
+point_label = runs.point_label
 
 
 class StoreUnavailable(RuntimeError):
@@ -437,6 +438,20 @@ class StoreReader:
 
     def status(self) -> dict:
         return self.source.status()
+
+    # ------------------------------------------------------------------ sweep runs (.runs)
+
+    def runs(self) -> list[dict]:
+        """The recorded sweep runs, newest first."""
+        return runs.list_runs(self)
+
+    def compare_runs(self, run_a: str, run_b: str) -> dict:
+        """Two runs' records and per-point statistics (:func:`.runs.compare`)."""
+        return runs.compare(self, run_a, run_b)
+
+    def whatif(self, run_id: str, against: str | None = None) -> dict:
+        """The other mode's TTFT estimated from a run's traces (:func:`.runs.whatif`)."""
+        return runs.whatif(self, run_id, against)
 
     def data_version(self) -> str:
         """Changes whenever new data was committed: key caches on it."""

@@ -23,6 +23,7 @@ PAGES = [
     st.Page("app_pages/decode.py", title="Decode smoothness", icon=":material/speed:", url_path="decode"),
     st.Page("app_pages/slow.py", title="Slow requests", icon=":material/hourglass_bottom:", url_path="slow"),
     st.Page("app_pages/trace.py", title="Trace", icon=":material/waterfall_chart:", url_path="trace"),
+    st.Page("app_pages/runs.py", title="Runs", icon=":material/science:", url_path="runs"),
     st.Page("app_pages/health.py", title="Health", icon=":material/monitor_heart:", url_path="health"),
 ]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS, length_label
+from kvtrace.collectors.reader import PART_COLUMNS, PARTS, length_label, point_label
 from kvtrace.telemetry import semconv
 
 CATEGORY_COLORS = {
@@ -432,3 +432,46 @@ def _short(instance: str) -> str:
     """An instance id as a label: host:pid:random -> host:pid."""
     parts = instance.split(":")
     return ":".join(parts[:2]) if len(parts) >= 3 else instance
+
+
+# --------------------------------------------------------------------------------------
+# Sweep runs (reader.compare_runs): the Runs page and `kvtrace compare --out`
+# --------------------------------------------------------------------------------------
+
+
+def _run_name(result: dict, run: str) -> str:
+    return f"{result['records'][run].get('mode', '?')} · {run}"
+
+
+def run_ttft(result: dict, run_a: str, run_b: str) -> go.Figure:
+    """Client TTFT p50 and p90 per point for both runs, with the trace-derived p50 beside them."""
+    labels = [point_label(*p) for p in result["points"]]
+    data = []
+    for run, dash in ((run_a, "solid"), (run_b, "dot")):
+        stats, color = result["stats"][run], mode_color(result["records"][run].get("mode", ""))
+        for index, q in ((0, "p50"), (1, "p90")):
+            data.append({"type": "scatter", "mode": "lines+markers", "x": labels, "name": f"{_run_name(result, run)} client {q}",
+                         "y": [stats[p].client_ttft[index] if p in stats else None for p in result["points"]],
+                         "line": {"color": color, "dash": dash, "width": 3 if index == 0 else 1.5}})
+        data.append({"type": "scatter", "mode": "markers", "x": labels, "name": f"{_run_name(result, run)} trace p50",
+                     "y": [stats[p].trace_ttft[0] if p in stats else None for p in result["points"]],
+                     "marker": {"color": color, "symbol": "x", "size": 10}})
+    return _figure(data, x=_axis("point (prompt tokens @ arrival rate)"), y=_axis("TTFT (ms)", rangemode="tozero"),
+                   height=460, title={"text": "TTFT per point: client p50 / p90 and trace p50", "y": 0.97},
+                   margin=_TITLED)
+
+
+def run_breakdown(result: dict, run_a: str, run_b: str) -> go.Figure:
+    """The mean breakdown per point, the two runs' bars side by side (A left, B right of each point)."""
+    x = [[point_label(*p) for p in result["points"] for _ in (0, 1)],
+         [result["records"][run].get("mode", run) for _ in result["points"] for run in (run_a, run_b)]]
+    data = []
+    for part in PARTS:
+        y = [result["stats"][run][p].parts[part] if p in result["stats"][run] else None
+             for p in result["points"] for run in (run_a, run_b)]
+        data.append({"type": "bar", "x": x, "y": y, "name": part, "marker": {"color": CATEGORY_COLORS[part]}})
+    return _figure(data, x=_axis(None), y=_axis("mean per request (ms)"), height=460, barmode="stack",
+                   title={"text": "Where TTFT went, per point and mode (mean per request)", "y": 0.97}, margin=_TITLED)
+
+
+_TITLED = {"l": 10, "r": 10, "t": 110, "b": 10}  # room for a title above a legend of many entries

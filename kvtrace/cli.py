@@ -224,9 +224,11 @@ def _cmd_sweep(argv: list[str]) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    """``kvtrace compare`` and ``kvtrace whatif``."""
     from kvtrace.collectors.query_service import QueryRefused
     from kvtrace.collectors.reader import StoreUnavailable, open_store
-    from kvtrace.experiment import analysis
+    from kvtrace.collectors.runs import RunNotFound
+    from kvtrace.experiment import report
 
     if not args.db and not args.collector:
         print(f"kvtrace {args.command}: give --db PATH (or --collector URL)", file=sys.stderr)
@@ -234,15 +236,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     try:
         reader = open_store(args.db, collector=args.collector, token=args.token)
         if args.command == "compare":
-            result = analysis.compare(reader, args.run_a, args.run_b)
-            print(analysis.compare_text(result, args.run_a, args.run_b))
+            result = reader.compare_runs(args.run_a, args.run_b)
+            print(report.compare_text(result, args.run_a, args.run_b))
             if args.out:
-                written = analysis.save_figures(analysis.compare_figures(result, args.run_a, args.run_b),
-                                                args.out, f"compare-{args.run_a}-{args.run_b}")
+                written = report.save_figures(result, args.run_a, args.run_b, args.out)
                 print("plots: " + ", ".join(str(p) for p in written))
         else:
-            print(analysis.whatif_text(analysis.whatif(reader, args.run, against=args.against)))
-    except (StoreUnavailable, QueryRefused, analysis.RunNotFound, ValueError) as exc:
+            print(report.whatif_text(reader.whatif(args.run, against=args.against)))
+    except (StoreUnavailable, QueryRefused, RunNotFound, ValueError) as exc:
         print(f"kvtrace {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

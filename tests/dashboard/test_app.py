@@ -178,3 +178,9 @@ def test_parts_per_request_add_up_on_the_slow_page(monkeypatch, stores):
     for row in slowest:
         parts = sum(row[f"{c.removesuffix('_ms')} (ms)"] for c in PART_COLUMNS)
         assert parts == pytest.approx(row["TTFT (ms)"])
+
+
+def test_runs_page_without_runs_says_how_to_record_them(monkeypatch, stores):
+    at = _app(monkeypatch, stores["push"], "runs")
+    assert "kvtrace bench sweep" in at.info[0].value and "has 0 runs" in at.info[0].value
+    assert not at.get("plotly_chart")

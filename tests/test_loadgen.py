@@ -1,0 +1,67 @@
+"""The sweep's load generator on its own: arrivals, prompts, and the command line's errors.
+(Against the real pair: tests/e2e/test_sweep_e2e.py.)"""
+
+import random
+import statistics
+
+import pytest
+
+from kvtrace import cli
+from kvtrace.experiment.loadgen import TOKEN_ID_RANGE, Point, arrival_offsets, prompt_ids
+
+
+@pytest.mark.parametrize("rate,count", [(0.25, 8), (2.0, 12), (8.0, 200)])
+def test_arrivals_offer_exactly_the_rate_asked(rate, count):
+    offsets = arrival_offsets(count, rate, random.Random(5))
+    assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == count
+    assert (count - 1) / offsets[-1] == pytest.approx(rate, rel=1e-12)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    if count >= 200:  # still Poisson-shaped: exponential gaps have a coefficient of variation near 1
+        assert 0.8 < statistics.pstdev(gaps) / statistics.mean(gaps) < 1.2
+
+
+def test_arrivals_and_prompts_are_reproducible_by_seed():
+    assert arrival_offsets(10, 1.0, random.Random(1)) == arrival_offsets(10, 1.0, random.Random(1))
+    assert arrival_offsets(10, 1.0, random.Random(1)) != arrival_offsets(10, 1.0, random.Random(2))
+    ids = prompt_ids(512, random.Random(3))
+    assert ids == prompt_ids(512, random.Random(3)) and len(ids) == 512
+    assert all(TOKEN_ID_RANGE[0] <= i < TOKEN_ID_RANGE[1] for i in ids)
+
+
+def test_a_point_has_a_rate_or_a_concurrency():
+    assert Point(128, rate=2).label == "128 tokens @ 2/s" and Point(64, concurrency=4).label == "64 tokens @ c=4"
+    with pytest.raises(ValueError):
+        Point(128)
+    with pytest.raises(ValueError):
+        Point(128, rate=1, concurrency=2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--local", "--db", "x.duckdb", "--prompt-tokens", "128", "--rate", "0"], "--rate 0: must be > 0"),
+    (["--local", "--db", "x.duckdb", "--prompt-tokens", "a,b", "--rate", "1"], "expected comma-separated numbers"),
+    (["--local", "--db", "x.duckdb", "--prompt-tokens", "128", "--rate", "1", "--requests", "0"], "--requests"),
+    (["--local", "--db", "x.duckdb", "--prompt-tokens", "0", "--concurrency", "2"], "--prompt-tokens 0"),
+])
+def test_bad_sweep_arguments_are_named(argv, message, capsys):
+    assert cli.main(["bench", "sweep", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_needs_a_target_and_one_mode_per_deployment(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "sweep", "--prompt-tokens", "128", "--rate", "1"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "sweep", "--router", "http://127.0.0.1:9", "--mode", "push", "--mode", "pull",
+                  "--prompt-tokens", "128", "--rate", "1"])
+    assert "one --mode" in capsys.readouterr().err
+
+
+def test_compare_names_a_missing_run(tmp_path, capsys):
+    from kvtrace.collectors.store import Store
+
+    db = tmp_path / "empty.duckdb"
+    store = Store(str(db))
+    store.start("test", {})
+    store.shutdown()
+    assert cli.main(["compare", "nope-a", "nope-b", "--db", str(db)]) == 2
+    assert "no run 'nope-a'" in capsys.readouterr().err
