@@ -146,7 +146,8 @@ async def sweep_run(router: str, sweep: SweepConfig, telemetry: RunTelemetry, st
                 f"achieved {result.achieved_rate:.3f}/s ({(result.achieved_rate / point.rate - 1) * 100:+.1f} %)"
                 if point.rate is not None else f"concurrency {point.concurrency}: {result.achieved_rate:.3f} req/s")
         ok = sum(o.ok for o in result.outcomes)
-        progress.write(f"  {point.prompt_tokens:>6} tokens: {ok}/{len(result.outcomes)} ok; {rate}")
+        progress.write(f"  {point.prompt_tokens:>6} tokens: {ok}/{len(result.outcomes)} ok; {rate}",
+                       file=sys.stderr)
         if result.interrupted and stop.is_set():
             return results, "interrupted"
     return results, "complete"
@@ -195,7 +196,7 @@ def sweep(sweep_config: SweepConfig, *, modes: list[str], router: str | None, co
                 url = pair.router_url
             else:
                 url = router
-            progress.write(f"run {run_id}: {mode} via {url}")
+            progress.write(f"run {run_id}: {mode} via {url}", file=sys.stderr)
             telemetry = RunTelemetry(endpoint, run_id)
             started = time.time_ns()
             loop = asyncio.new_event_loop()
@@ -210,6 +211,9 @@ def sweep(sweep_config: SweepConfig, *, modes: list[str], router: str | None, co
             telemetry.close()
             run_ids.append(run_id)
             if router is None:
+                # The engines export every 0.5 s and lose what is still queued when stopped: let
+                # the last requests' spans reach the collector before the pair goes.
+                _settle(collector_obj, run_id, sum(o.ok for r in results for o in r.outcomes), progress)
                 pair.stop()  # before the next mode's pair starts (stopping twice is harmless)
             if status == "interrupted":
                 break
@@ -253,14 +257,30 @@ def _local_pair(stack: contextlib.ExitStack, mode: str, model: str, endpoint: st
     return pair, local
 
 
+def _settle(collector: Any, run_id: str, finished: int, progress: Any, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until the run's finished requests all have complete traces in the store."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        collector.store.flush()
+        complete = collector.store.query("SELECT count(*) FROM requests WHERE run_id = ? AND complete AND "
+                                         "point_prompt_tokens IS NOT NULL", [run_id])[0][0]
+        if complete >= finished:
+            return
+        time.sleep(0.5)
+    progress.write(f"warning: run {run_id}: {finished - complete} of {finished} requests' traces were still "
+                   f"incomplete after {timeout_s:.0f} s", file=sys.stderr)
+
+
 def _drain(collector: Any, run_ids: list[str], progress: Any) -> None:
     """Wait until the collector has decided every trace and stored the run records (bounded)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         collector.store.flush()
-        pending = collector.assembler.pending() + collector._queue.qsize()
+        status = collector.status()
+        pending = status["pending_traces"] + status["queued_requests"]
         recorded = collector.store.query("SELECT count(*) FROM runs WHERE run_id IN (SELECT unnest(?))", [run_ids])
         if not pending and recorded[0][0] == len(run_ids):
             return
         time.sleep(0.5)
-    progress.write("warning: the collector had not decided every trace after 60 s; stored what it had")
+    progress.write("warning: the collector had not decided every trace after 60 s; stored what it had",
+                   file=sys.stderr)
