@@ -167,7 +167,10 @@ def _sweep_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="tiny", help="with --local: the testbed model recipe "
                         "(tiny, kv-heavy; default tiny)")
     parser.add_argument("--served-model", help="the model name in requests (default: tiny with --local)")
-    parser.add_argument("--prompt-tokens", required=True, metavar="N,N,...", help="prompt lengths, comma-separated")
+    lengths = parser.add_mutually_exclusive_group(required=True)
+    lengths.add_argument("--prompt-tokens", metavar="N,N,...", help="prompt lengths, comma-separated")
+    lengths.add_argument("--prompt-tokens-file", metavar="PATH",
+                         help="a length distribution instead: one length per line; each request draws one")
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", metavar="R,R,...", help="Poisson arrival rates, requests/s, comma-separated")
     load.add_argument("--concurrency", metavar="C,C,...", help="fixed concurrencies instead, comma-separated")
@@ -191,7 +194,7 @@ def _numbers(text: str, kind: type, flag: str) -> list:
 
 
 def _cmd_sweep(argv: list[str]) -> int:
-    from kvtrace.experiment.loadgen import Point
+    from kvtrace.experiment.loadgen import Point, read_lengths
     from kvtrace.experiment.sweep import SweepConfig, sweep
 
     parser = _sweep_parser()
@@ -202,14 +205,19 @@ def _cmd_sweep(argv: list[str]) -> int:
     if args.local and not args.db:
         parser.error("--local needs --db PATH")
     try:
-        lengths = _numbers(args.prompt_tokens, int, "--prompt-tokens")
-        if args.rate:
-            points = [Point(n, rate=r) for n in lengths for r in _numbers(args.rate, float, "--rate")]
+        if args.prompt_tokens_file:
+            distribution = read_lengths(args.prompt_tokens_file)
+            lengths = [(distribution[len(distribution) // 2], distribution)]
         else:
-            points = [Point(n, concurrency=c) for n in lengths for c in _numbers(args.concurrency, int, "--concurrency")]
+            lengths = [(n, ()) for n in _numbers(args.prompt_tokens, int, "--prompt-tokens")]
+        if args.rate:
+            points = [Point(n, rate=r, lengths=d) for n, d in lengths for r in _numbers(args.rate, float, "--rate")]
+        else:
+            points = [Point(n, concurrency=c, lengths=d) for n, d in lengths
+                      for c in _numbers(args.concurrency, int, "--concurrency")]
         config = SweepConfig(points=points, requests=args.requests, output_tokens=args.output_tokens,
                              warmup=args.warmup, seed=args.seed, max_seconds=args.max_seconds,
-                             model_name=args.served_model or "tiny")
+                             model_name=args.served_model or "tiny", lengths_file=args.prompt_tokens_file)
         config.validate()
         run_ids = sweep(config, modes=modes, router=args.router, collector=args.collector, db=args.db,
                         model=args.model, log_dir=args.log_dir)

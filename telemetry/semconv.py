@@ -412,7 +412,7 @@ BENCH_CONCURRENCY: Final = "kvtrace.bench.concurrency"
 """The point's fixed concurrency (absent for Poisson arrivals)."""
 
 BENCH_PROMPT_TOKENS: Final = "kvtrace.bench.prompt_tokens"
-"""The point's prompt length, in tokens, as requested."""
+"""The point's prompt length, in tokens, as requested (a length distribution's median)."""
 
 RUN_CONFIG: Final = "kvtrace.run.config"
 """A run's configuration and the load generator's per-point results, as JSON (on ``kvtrace.run``)."""

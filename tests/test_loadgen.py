@@ -65,3 +65,35 @@ def test_compare_names_a_missing_run(tmp_path, capsys):
     store.shutdown()
     assert cli.main(["compare", "nope-a", "nope-b", "--db", str(db)]) == 2
     assert "no run 'nope-a'" in capsys.readouterr().err
+
+
+def test_a_length_distribution_file(tmp_path):
+    from kvtrace.experiment.loadgen import read_lengths
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("# from production\n900\n100\n\n400  # a comment\n")
+    assert read_lengths(str(path)) == (100, 400, 900)
+    path.write_text("100\nten\n")
+    with pytest.raises(ValueError, match="lengths.txt:2: 'ten' is not a whole number"):
+        read_lengths(str(path))
+    path.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no prompt lengths"):
+        read_lengths(str(path))
+
+
+def test_requests_draw_their_lengths_from_the_distribution():
+    import asyncio
+
+    from kvtrace.experiment import loadgen
+
+    seen = []
+
+    class Recording:  # stands in for the HTTP client: records what would be sent
+        async def send(self, session, prompt, point):
+            seen.append(len(prompt))
+            return loadgen.Outcome(0, ok=True)
+
+    point = Point(400, rate=200.0, lengths=(100, 400, 900))
+    result = asyncio.run(loadgen.run_point(Recording(), point, 60, seed=1, stop=asyncio.Event(), max_seconds=30))
+    assert len(result.outcomes) == 60 and set(seen) == {100, 400, 900}
+    assert point.label == "~400 tokens @ 200/s"

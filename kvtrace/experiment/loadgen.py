@@ -38,9 +38,10 @@ of the special tokens at the start of most."""
 class Point:
     """One point of a sweep: a prompt length at a rate (requests/s) or at a fixed concurrency."""
 
-    prompt_tokens: int
+    prompt_tokens: int  # with ``lengths``: their median, which names the point
     rate: float | None = None
     concurrency: int | None = None
+    lengths: tuple[int, ...] = ()  # a length distribution: each request's length is drawn from these
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -49,7 +50,28 @@ class Point:
     @property
     def label(self) -> str:
         load = f"{self.rate:g}/s" if self.rate is not None else f"c={self.concurrency}"
-        return f"{self.prompt_tokens} tokens @ {load}"
+        return f"{'~' if self.lengths else ''}{self.prompt_tokens} tokens @ {load}"
+
+
+def read_lengths(path: str) -> tuple[int, ...]:
+    """A prompt-length distribution: one length in tokens per line (``#`` comments and blank lines
+    skipped), e.g. taken from production logs. Requests draw from it, with replacement."""
+    lengths = []
+    with open(path) as handle:
+        for number, line in enumerate(handle, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{path}:{number}: {text[:40]!r} is not a whole number of tokens") from None
+            if value < 1:
+                raise ValueError(f"{path}:{number}: a prompt length must be >= 1")
+            lengths.append(value)
+    if not lengths:
+        raise ValueError(f"{path}: no prompt lengths in it")
+    return tuple(sorted(lengths))
 
 
 @dataclasses.dataclass
@@ -208,7 +230,8 @@ async def run_point(client: Client, point: Point, requests: int, seed: int, stop
     """``requests`` requests of one point (fewer if ``stop`` is set or ``max_seconds`` pass: what
     finished is kept). Prompts and arrivals come from ``seed``."""
     rng = random.Random(f"{seed}:{point.prompt_tokens}:{point.rate}:{point.concurrency}")
-    prompts = [prompt_ids(point.prompt_tokens, rng) for _ in range(requests)]
+    prompts = [prompt_ids(rng.choice(point.lengths) if point.lengths else point.prompt_tokens, rng)
+               for _ in range(requests)]
     outcomes: list[Outcome] = []
     send_times: list[float] = []
     loop = asyncio.get_running_loop()

@@ -51,6 +51,7 @@ class SweepConfig:
     max_seconds: float = 600.0  # per point: no request is sent after this
     model_name: str = "tiny"  # the served model's name (the testbed serves "tiny")
     request_timeout_s: float = 300.0
+    lengths_file: str | None = None  # where the points' length distribution came from, if one did
 
     def validate(self) -> None:
         if not self.points:
@@ -103,6 +104,7 @@ def run_config(run_id: str, mode: str, sweep: SweepConfig, router: str, local: d
         "run_id": run_id, "mode": mode, "connector": CONNECTORS.get(mode, ""), "router": router,
         "kvtrace_version": installed_version("kvtrace"), "load_generator_host": hardware_summary(),
         "prompt_tokens": sorted({p.prompt_tokens for p in sweep.points}),
+        "length_distribution": _distribution(sweep),
         "rates": sorted({p.rate for p in sweep.points if p.rate is not None}),
         "concurrencies": sorted({p.concurrency for p in sweep.points if p.concurrency is not None}),
         "requests_per_point": sweep.requests, "output_tokens": sweep.output_tokens, "ignore_eos": True,
@@ -113,6 +115,16 @@ def run_config(run_id: str, mode: str, sweep: SweepConfig, router: str, local: d
     if local:
         config.update(local)
     return config
+
+
+def _distribution(sweep: SweepConfig) -> dict[str, Any] | None:
+    """The prompt-length distribution the points drew from, summarised (None: fixed lengths)."""
+    lengths = next((p.lengths for p in sweep.points if p.lengths), ())
+    if not lengths:
+        return None
+    return {"file": sweep.lengths_file, "values": len(lengths), "min": lengths[0],
+            "p50": lengths[len(lengths) // 2], "p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
+            "max": lengths[-1], "mean": round(sum(lengths) / len(lengths), 1)}
 
 
 async def _warm_up(client: Client, count: int, length: int, seed: int) -> None:

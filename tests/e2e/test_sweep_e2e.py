@@ -238,3 +238,23 @@ def test_the_dashboard_runs_page_shows_the_same_numbers(swept, monkeypatch):
         assert math.isclose(row["TTFT p50"], stats.client_ttft[0]) and math.isclose(row["trace TTFT p50"],
                                                                                     stats.trace_ttft[0])
     assert len(whatif) == 2 * len(LENGTHS) * len(RATES)
+
+
+def test_fixed_concurrency_with_a_length_distribution(tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("64\n128\n192\n")
+    db = tmp_path / "concurrency.duckdb"
+    out = subprocess.run([sys.executable, "-m", "kvtrace", "bench", "sweep", "--local", "--mode", "pull",
+                          "--prompt-tokens-file", str(lengths), "--concurrency", "2", "--requests", "6",
+                          "--output-tokens", "4", "--warmup", "0", "--db", str(db)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = out.stdout.split("runs recorded:")[1].split()[0]
+    record = json.loads(sql(str(db), "SELECT config FROM runs WHERE run_id = ?", [run])[0]["config"])
+    assert record["concurrencies"] == [2] and record["rates"] == []
+    assert record["length_distribution"]["values"] == 3 and record["length_distribution"]["file"] == str(lengths)
+    rows = sql(str(db), "SELECT * FROM requests WHERE run_id = ? AND point_prompt_tokens IS NOT NULL", [run])
+    assert len(rows) == 6 and all(r["complete"] and r["point_concurrency"] == 2 and r["point_rate"] is None
+                                  and r["point_prompt_tokens"] == 128 for r in rows)
+    # each request's length is one of the distribution's (the engines count what they received)
+    assert all(min(abs(n - r["prompt_tokens"]) for n in (64, 128, 192)) <= 1 for r in rows)
