@@ -158,8 +158,9 @@ async def sweep_run(router: str, sweep: SweepConfig, telemetry: RunTelemetry, st
                 f"achieved {result.achieved_rate:.3f}/s ({(result.achieved_rate / point.rate - 1) * 100:+.1f} %)"
                 if point.rate is not None else f"concurrency {point.concurrency}: {result.achieved_rate:.3f} req/s")
         ok = sum(o.ok for o in result.outcomes)
-        progress.write(f"  {point.prompt_tokens:>6} tokens: {ok}/{len(result.outcomes)} ok; {rate}",
-                       file=sys.stderr)
+        errors = result.summary()["errors"]
+        progress.write(f"  {point.prompt_tokens:>6} tokens: {ok}/{len(result.outcomes)} ok; {rate}"
+                       + (f"; failures: {'; '.join(errors)}" if errors else ""), file=sys.stderr)
         if result.interrupted and stop.is_set():
             return results, "interrupted"
     return results, "complete"
