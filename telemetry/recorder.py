@@ -11,6 +11,7 @@ or slow only ever costs that thread. Modelled on the OpenTelemetry SDK's BatchPr
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import collections
 import logging
 import os
@@ -44,6 +45,12 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _TRANSFER_OPS = {Stage.WRITE: "write", Stage.READ: "read"}
 _REQUEST_ID_ATTRIBUTES = (semconv.ATTR_REQUEST_ID, semconv.ATTR_REMOTE_REQUEST_ID)
 _FAILURE_LOG_INTERVAL_S = 60.0
+
+
+def _shutdown_if_alive(weak_shutdown) -> None:
+    shutdown = weak_shutdown()
+    if shutdown is not None:
+        shutdown()
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,9 @@ class Recorder:
         os.register_at_fork(after_in_child=lambda: (m := weak_reinit()) is not None and m())
         weak_shutdown = weakref.WeakMethod(self.shutdown)
         atexit.register(lambda: (m := weak_shutdown()) is not None and m())
+        # vLLM's engine core and workers are multiprocessing children, which leave through os._exit
+        # after running multiprocessing's finalizers, not atexit's: flush there too.
+        multiprocessing.util.Finalize(self, _shutdown_if_alive, args=(weak_shutdown,), exitpriority=100)
 
     def _init_process_state(self) -> None:
         self._buffer: collections.deque = collections.deque(maxlen=self._max_queue_size)

@@ -3,7 +3,7 @@
 Everything listens on 127.0.0.1. Each instance runs in its own process group pinned to its
 own core (P on the first, D on the last), with the kvtrace connectors loaded through
 ``kv_connector_module_path`` and the CPU options of :mod:`kvtrace.connector.options` on.
-Stopping sends SIGTERM to each group, waits, and only then kills; shared-memory segments
+Stopping sends SIGTERM to each group's leader, waits for the group, and only then kills; shared-memory segments
 the pair created under /dev/shm are removed afterwards.
 """
 
@@ -33,6 +33,7 @@ from . import model as tiny_model
 PREFILL_ENGINE_ID = "kvtrace-prefill"
 DECODE_ENGINE_ID = "kvtrace-decode"
 CPU_OPTIONS = {"nixl_progress_delay_us": 1000, "keep_cpu_affinity": True}
+SHUTDOWN_TIMEOUT_S = 5
 SHM = Path("/dev/shm")
 
 
@@ -166,6 +167,9 @@ class LocalPair:
                    "--model", str(c.model_dir), "--served-model-name", "tiny",
                    "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--max-model-len", str(c.max_model_len), "--max-num-seqs", "8",
+                   # a grace period at stop, so the engine core shuts its connector down (and kvtrace
+                   # flushes its last spans) instead of being killed at once (vLLM's default, 0)
+                   "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                    "--kv-transfer-config", json.dumps(kv_config)]
         if c.tracing:  # the receipt time of each leg, for the engine's input stage
             command += ["--middleware", "kvtrace.connector.RequestReceipt"]
@@ -272,11 +276,16 @@ class LocalPair:
     # ------------------------------------------------------------------ stop
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM each process group we started, wait, then SIGKILL what is left."""
+        """SIGTERM each process we started, wait for its group, then SIGKILL what is left.
+
+        Only the leader (vLLM's API server) gets SIGTERM: it stops its engine core, which shuts
+        its connector down (kvtrace flushes its spans there). A second SIGTERM straight to the
+        engine core — as a signal to the whole group would send — lands after vLLM has restored
+        the default handler for its teardown, and kills it halfway."""
         for proc in reversed(self.procs):
             if proc.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
+                    os.kill(proc.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -129,3 +129,34 @@ def test_kvtrace_metrics_on_each_engines_own_metrics_endpoint(hashed_run):
     assert series(d, "kvtrace_engine_loop_seconds_count", part="worker") > 0
     # NIXL's own metrics still arrive through the same seam
     assert series(p, "vllm:nixl_xfer_time_seconds_count") >= 1
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_stopping_the_pair_right_after_a_request_loses_no_spans(tmp_path, mode):
+    """The engines run in multiprocessing children, which exit without atexit handlers: the
+    connector flushes its spans when vLLM shuts it down, so a request answered just before the
+    pair stops still has every span of its trace."""
+    sink = SpanSink()
+    sink.receiver.start()
+    try:
+        config = PairConfig(mode=mode, otlp_endpoint=f"http://127.0.0.1:{sink.receiver.port}/v1/traces",
+                            log_dir=tmp_path)
+        with LocalPair(config) as pair:
+            call = send(pair.router_url, Call("stopped-at-once", chat=False, stream=False, text=prompt(7, 30)))
+            assert call.status == 200, call.output
+        # the pair is stopped within the exporters' 0.5 s delay of the answer
+        # every process's spans: P's and D's engine cores, API servers and workers, and the router's
+        wanted = {"engine.first_token", "kv.allocation", "kv.completion", "engine.prefill", "engine.input",
+                  "pd.request", "pd.decode_leg", "kv.write" if mode == "push" else "kv.read"}
+
+        def complete(s: SpanSink) -> bool:
+            spans = [x for spans in s.traces().values() for x in spans
+                     if any(y["name"] == "pd.request" and y["attrs"].get("kvtrace.request_id") ==
+                            "cmpl-stopped-at-once-0" for y in spans)]
+            return wanted <= {x["name"] for x in spans}
+
+        assert sink.wait_for(complete, timeout=10), (
+            f"missing {sorted(wanted - {x['name'] for x in sink.spans})}; from "
+            f"{sorted({(x['resource'].get('kvtrace.role'), x['name']) for x in sink.spans})}")
+    finally:
+        sink.receiver.shutdown()
