@@ -15,7 +15,8 @@ def run(*args):
 def test_help_lists_the_subcommands():
     result = run("--help")
     assert result.returncode == 0
-    for name in ("version", "contract", "bench", "router", "collector", "dashboard", "demo"):
+    for name in ("version", "contract", "bench", "router", "collector", "dashboard", "demo", "query", "compare",
+                 "whatif"):
         assert name in result.stdout
 
 
