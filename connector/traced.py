@@ -33,7 +33,6 @@ from .worker_tracing import WorkerTracing
 logger = logging.getLogger(__name__)
 
 _now = time.perf_counter_ns
-SHUTDOWN_FLUSH_MS = 5_000  # at most this long for the last spans to leave when the engine stops
 
 
 _pending: PendingStats | None = None  # this process's kvtrace observations, until vLLM collects them
@@ -95,17 +94,6 @@ class _Traced:
         logger.info("kvtrace: traced %s active (%s, %s, engine %s, spans to %s)", name,
                     role.name.lower(), engine_role.value, self.engine_id,
                     telemetry_config.endpoint or telemetry_config.exporter)
-
-    def shutdown(self) -> None:
-        # vLLM's engine-core and worker processes are multiprocessing children, which leave through
-        # os._exit: no atexit handler runs there, so the spans still buffered (up to the export
-        # delay's worth) would be lost with the process. Flush them as the connector shuts down.
-        try:
-            super().shutdown()  # type: ignore[misc]
-        finally:
-            recorder = getattr(self, "_kvtrace_recorder", None)
-            if recorder is not None:
-                self.kvtrace_guard.run(recorder.force_flush, SHUTDOWN_FLUSH_MS)
 
     # ------------------------------------------------------------------ metrics (vLLM's stats seam)
 
