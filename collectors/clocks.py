@@ -11,8 +11,9 @@ Per sender the book keeps the last :data:`WINDOW` samples and fits ``θ(t) = a +
 the ones whose round trip is near the best (a congested exchange says little), so a clock that
 drifts (NTP slewing, a crystal 50 ppm off) is followed between exchanges. At a used sample the
 line is off the truth by at most its residual plus half the sample's round trip; at a time
-``t`` the bound is the smallest of those among the samples nearest ``t``, each widened by 10 ppm
-of its distance to ``t`` (how far the fitted slope may be off). The fit is recomputed when a sample arrives, not per trace: attribution reads
+``t`` the bound is the smallest of those among the samples nearest ``t``, each widened by how far
+the fitted slope may be off times its distance to ``t`` — twice a typical sample bound over the
+span the samples cover (at least 10 ppm), or 100 ppm where no slope could be fitted. The fit is recomputed when a sample arrives, not per trace: attribution reads
 it in O(1).
 """
 
@@ -36,8 +37,9 @@ WINDOW = 64
 MAX_SENDERS = 10_000
 _CONGESTED = 1.25  # a sample whose round trip is over 1.25x the best (+ the slack below) is left out
 _SLACK_NS = 50_000
-_DRIFT_ALLOWANCE = 10e-6
-_MAX_DRIFT = 500e-6  # a fitted drift beyond 500 ppm says more about the samples than the clock  # 10 ppm: how far the fitted slope may be off what the clock did
+_DRIFT_ALLOWANCE = 10e-6  # the least a fitted slope is taken to be off what the clock did
+_MAX_DRIFT = 500e-6  # a fitted drift beyond 500 ppm says more about the samples than the clock
+_UNFITTED_DRIFT = 100e-6  # how fast a clock is taken to drift where too few samples show its drift
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
 
 
@@ -67,11 +69,12 @@ class Fit:
     slope: float
     times: tuple[int, ...]  # sorted
     errors: tuple[float, ...]
+    slope_error: float = _DRIFT_ALLOWANCE  # how far the slope may be off what the clock did
 
     def at(self, t: int) -> tuple[int, int]:
         i = bisect.bisect_left(self.times, t)
         near = range(max(0, i - 3), min(len(self.times), i + 3))
-        bound = min(self.errors[j] + abs(t - self.times[j]) * _DRIFT_ALLOWANCE for j in near)
+        bound = min(self.errors[j] + abs(t - self.times[j]) * self.slope_error for j in near)
         return int(self.a + self.slope * (t - self.t0)), int(bound)
 
 
@@ -81,21 +84,28 @@ def fit(samples: list[Sample]) -> Fit:
     first, last = min(s.at for s in used), max(s.at for s in used)
     t0 = (first + last) // 2
     slope = 0.0
-    if len(used) >= 3 and last - first >= 1_000_000_000:  # least squares, in ns around t0
+    fitted = len(used) >= 3 and last - first >= 1_000_000_000
+    if fitted:  # least squares, in ns around t0
         xs = [s.at - t0 for s in used]
         mean_x = sum(xs) / len(xs)
         mean_y = sum(s.offset for s in used) / len(used)
         var = sum((x - mean_x) ** 2 for x in xs)
         slope = sum((x - mean_x) * (s.offset - mean_y) for x, s in zip(xs, used)) / var
         a = mean_y - slope * mean_x
-    if not slope or abs(slope) > _MAX_DRIFT:  # too few, too close to see a drift, or implausible: the best
+    if not fitted or abs(slope) > _MAX_DRIFT:  # too few, too close to see a drift, or implausible: the best
         sample = min(used, key=lambda s: s.delay)
         slope, a = 0.0, float(sample.offset)
+        slope_error = _UNFITTED_DRIFT  # no drift measured: what a free-running crystal may do
+    else:
+        # a slope fitted from samples each off by up to their bound is itself off by up to about
+        # twice a typical bound over the time they span (200 ppm for 0.1 ms over 1 s), never less
+        # than the allowance
+        slope_error = max(_DRIFT_ALLOWANCE, 2 * statistics.median(s.bound for s in used) / (last - first))
     # At each used sample the line is off the truth by at most its residual plus half the sample's
-    # round trip; from there on the line's slope is what the clock did, give or take the allowance.
+    # round trip; from there on by up to the slope's error times the distance.
     used.sort(key=lambda s: s.at)
     return Fit(t0, a, slope, tuple(s.at for s in used),
-               tuple(abs(s.offset - (a + slope * (s.at - t0))) + s.bound for s in used))
+               tuple(abs(s.offset - (a + slope * (s.at - t0))) + s.bound for s in used), slope_error)
 
 
 class ClockBook:
