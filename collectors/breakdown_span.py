@@ -31,6 +31,15 @@ _PARTS = tuple((c.value, semconv.BREAKDOWN_PART_MS[c], semconv.BREAKDOWN_PART_SH
                for c in semconv.BREAKDOWN_CATEGORIES)
 _ERROR_STATUS = _field(15, _field(2, b"a span of the trace ended in error") + b"\x18" + _varint(_STATUS_ERROR))
 _PREFIXES: dict[tuple[str, int], bytes] = {}
+_KEY_FIELDS: dict[str, bytes] = {}
+
+
+def _key_field(key: str) -> bytes:
+    """``KeyValue.key``, encoded once per key."""
+    encoded = _KEY_FIELDS.get(key)
+    if encoded is None:
+        encoded = _KEY_FIELDS[key] = _field(1, key.encode())
+    return encoded
 
 
 def _prefix(key: str, value_bytes: int) -> bytes:
@@ -38,7 +47,7 @@ def _prefix(key: str, value_bytes: int) -> bytes:
     the entry's tag and length, ``KeyValue.key``, and ``KeyValue.value``'s tag and length."""
     prefix = _PREFIXES.get((key, value_bytes))
     if prefix is None:
-        key_field = _field(1, key.encode())
+        key_field = _key_field(key)
         entry_length = len(key_field) + 2 + value_bytes  # + value's tag and length (< 128)
         prefix = _PREFIXES[key, value_bytes] = (b"\x4a" + _varint(entry_length) + key_field + b"\x12"
                                                 + _varint(value_bytes))
@@ -78,15 +87,6 @@ def _string(key: str, value: str) -> bytes:
     return b"\x4a" + _varint(len(body)) + body
 
 
-def _key_field(key: str) -> bytes:
-    """``KeyValue.key``, encoded once per key."""
-    encoded = _KEY_FIELDS.get(key)
-    if encoded is None:
-        encoded = _KEY_FIELDS[key] = _field(1, key.encode())
-    return encoded
-
-
-_KEY_FIELDS: dict[str, bytes] = {}
 # TTFT and its parts (ms and share) are always the first eleven attributes: one pack for all.
 _HEAD_KEYS = (semconv.BREAKDOWN_TTFT_MS, *(key for _, ms, share in _PARTS for key in (ms, share)))
 _HEAD = struct.Struct("<" + "".join(f"{len(_prefix(key, 9)) + 1}sd" for key in _HEAD_KEYS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from . import semconv
@@ -13,9 +14,14 @@ def _constants(prefix: str) -> list[tuple[str, str]]:
             if name.startswith(prefix) and isinstance(value, str)]
 
 
+@functools.cache
+def _source() -> str:
+    return inspect.getsource(semconv)
+
+
 def _doc_of(name: str) -> str:
     """The docstring under a semconv constant, by its name, on one line."""
-    source = inspect.getsource(semconv)
+    source = _source()
     start = source.find(f"\n{name}: Final")
     tail = source[start:].split("\n", 2) if start >= 0 else []
     if len(tail) < 3 or not tail[2].lstrip().startswith('"""'):

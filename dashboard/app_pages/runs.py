@@ -67,7 +67,7 @@ if modes == {"push", "pull"}:
         estimate = data.ask("whatif", None, run, other)
         for e in estimate["points"]:
             table.append({"from": f"{estimate['mode']} traces", "point": charts.point_label(*e["point"]),
-                          f"estimated p50": e["estimated"][0.5], "measured p50": e["other_measured"][0.5],
+                          "estimated p50": e["estimated"][0.5], "measured p50": e["other_measured"][0.5],
                           "error p50": e["error"][0.5], "estimated p90": e["estimated"][0.9],
                           "measured p90": e["other_measured"][0.9], "error p90": e["error"][0.9]})
     st.dataframe(table, hide_index=True, column_config={

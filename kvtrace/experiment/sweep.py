@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from opentelemetry import trace as otel_trace
+import aiohttp
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -35,7 +36,7 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.setup import hardware_summary
 from kvtrace.telemetry.versions import installed_version
 
-from .loadgen import Client, Point, PointResult, run_point
+from .loadgen import Client, Point, PointResult, prompt_ids, run_point
 
 logger = logging.getLogger(__name__)
 CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlPullConnector"}
@@ -128,11 +129,7 @@ def _distribution(sweep: SweepConfig) -> dict[str, Any] | None:
 
 
 async def _warm_up(client: Client, count: int, length: int, seed: int) -> None:
-    import aiohttp
-    import random
-
-    from .loadgen import prompt_ids
-
+    """``count`` requests sent one after another, without a point (so without a client span)."""
     rng = random.Random(f"warmup:{seed}")
     async with aiohttp.ClientSession() as session:
         for _ in range(count):
@@ -144,8 +141,7 @@ async def sweep_run(router: str, sweep: SweepConfig, telemetry: RunTelemetry, st
     """One run: warm-up, then every point in order. Returns the points' results and a status
     (``complete``, ``interrupted``)."""
     client = Client(router, sweep.model_name, sweep.output_tokens, telemetry.tracer, sweep.request_timeout_s)
-    await _warm_up(Client(router, sweep.model_name, sweep.output_tokens, None, sweep.request_timeout_s),
-                   sweep.warmup, min(p.prompt_tokens for p in sweep.points), sweep.seed)
+    await _warm_up(client, sweep.warmup, min(p.prompt_tokens for p in sweep.points), sweep.seed)
     results = []
     for point in sweep.points:
         if stop.is_set():

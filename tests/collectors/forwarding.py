@@ -73,16 +73,13 @@ class Sink:
 
     def __call__(self, batch: Any) -> None:
         with self.lock:
-            for rs in batch.request.resource_spans:
-                resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        if span.name == S.SPAN_BREAKDOWN:
-                            self.breakdowns.append(span)
-                        elif span.name.startswith(S.SPAN_CRITICAL_SEGMENT + " "):
-                            self.segments.append(span)
-                        else:
-                            self.spans[span.span_id.hex()] = (span.SerializeToString(), resource, ss.scope.name)
+            for span, resource, scope in _spans_of([batch.request]):
+                if span.name == S.SPAN_BREAKDOWN:
+                    self.breakdowns.append(span)
+                elif span.name.startswith(S.SPAN_CRITICAL_SEGMENT + " "):
+                    self.segments.append(span)
+                else:
+                    self.spans[span.span_id.hex()] = (span.SerializeToString(), resource, scope)
 
     def breakdowns_by_trace(self) -> dict[str, list[Any]]:
         with self.lock:
@@ -94,12 +91,16 @@ class Sink:
 
 def sent_spans(builts: list) -> dict[str, tuple]:
     """The spans of built traces as :class:`Sink` keeps them."""
-    out = {}
-    for built in builts:
-        for request in built.requests:
-            for rs in request.resource_spans:
-                resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        out[span.span_id.hex()] = (span.SerializeToString(), resource, ss.scope.name)
-    return out
+    requests = [request for built in builts for request in built.requests]
+    return {span.span_id.hex(): (span.SerializeToString(), resource, scope)
+            for span, resource, scope in _spans_of(requests)}
+
+
+def _spans_of(requests: list) -> Any:
+    """Each span of these export requests, with its resource's attributes (as bytes) and scope name."""
+    for request in requests:
+        for rs in request.resource_spans:
+            resource = {a.key: a.value.SerializeToString() for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    yield span, resource, ss.scope.name

@@ -102,10 +102,10 @@ def test_the_load_generator_holds_its_rate(swept):
 def test_compare_equals_the_store(swept, tmp_path):
     db, runs = swept
     reader = open_store(db)
-    result = reader.compare_runs( runs["push"], runs["pull"])
+    result = reader.compare_runs(runs["push"], runs["pull"])
     assert len(result["points"]) == len(LENGTHS) * len(RATES)
     for run in runs.values():
-        expected = {(r["n"], r["rate"]): r for r in sql(db, f"""
+        expected = {(r["n"], r["rate"]): r for r in sql(db, """
             SELECT point_prompt_tokens n, point_rate rate, count(*) k,
                    quantile_cont(client_ttft_ms, 0.5) c50, quantile_cont(client_ttft_ms, 0.99) c99,
                    quantile_cont(ttft_ms, 0.5) t50, quantile_cont(client_tpot_ms, 0.9) tpot90,
