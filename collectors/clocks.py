@@ -8,8 +8,9 @@ Whatever the network does, the true offset lies within ``θ ± δ/2`` as long as
 takes negative time, so ``δ/2`` is the sample's error bound.
 
 Per sender the book keeps the last :data:`WINDOW` samples and fits ``θ(t) = a + b·(t - t0)`` to
-the ones whose round trip is near the best (a congested exchange says little), so a clock that
-drifts (NTP slewing, a crystal 50 ppm off) is followed between exchanges. At a used sample the
+the ones whose round trip is within a few times the best (a congested exchange says little),
+each weighted by the inverse square of its round trip, so a clock that drifts (NTP slewing, a
+crystal 50 ppm off) is followed between exchanges from the second exchange on. At a used sample the
 line is off the truth by at most its residual plus half the sample's round trip; at a time
 ``t`` the bound is the smallest of those among the samples nearest ``t``, each widened by how far
 the fitted slope may be off times its distance to ``t`` — twice a typical sample bound over the
@@ -35,7 +36,7 @@ from .breakdown import DECODE, DECODE_LEG, D_INPUT, FIRST_TOKEN, P_INPUT, PREFIL
 
 WINDOW = 64
 MAX_SENDERS = 10_000
-_CONGESTED = 1.25  # a sample whose round trip is over 1.25x the best (+ the slack below) is left out
+_CONGESTED = 3.0  # a sample whose round trip is over 3x the best (+ the slack below) is left out
 _SLACK_NS = 50_000
 _DRIFT_ALLOWANCE = 10e-6  # the least a fitted slope is taken to be off what the clock did
 _MAX_DRIFT = 500e-6  # a fitted drift beyond 500 ppm says more about the samples than the clock
@@ -84,13 +85,17 @@ def fit(samples: list[Sample]) -> Fit:
     first, last = min(s.at for s in used), max(s.at for s in used)
     t0 = (first + last) // 2
     slope = 0.0
-    fitted = len(used) >= 3 and last - first >= 1_000_000_000
-    if fitted:  # least squares, in ns around t0
+    # Two exchanges a second or more apart already show a drift: a drifting clock extrapolated flat
+    # from its first exchanges (while a process warms up) is off by its whole drift times the distance.
+    fitted = len(used) >= 2 and last - first >= 1_000_000_000
+    if fitted:  # weighted least squares, in ns around t0: a longer round trip is a looser sample
+        weights = [1.0 / max(s.delay, 1) ** 2 for s in used]
+        total = sum(weights)
         xs = [s.at - t0 for s in used]
-        mean_x = sum(xs) / len(xs)
-        mean_y = sum(s.offset for s in used) / len(used)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (s.offset - mean_y) for x, s in zip(xs, used)) / var
+        mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+        mean_y = sum(w * s.offset for w, s in zip(weights, used)) / total
+        var = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs))
+        slope = sum(w * (x - mean_x) * (s.offset - mean_y) for w, x, s in zip(weights, xs, used)) / var
         a = mean_y - slope * mean_x
     if not fitted or abs(slope) > _MAX_DRIFT:  # too few, too close to see a drift, or implausible: the best
         sample = min(used, key=lambda s: s.delay)

@@ -51,6 +51,22 @@ def test_the_fit_follows_a_drifting_clock():
     assert bound_later > bound  # outside the samples, the bound widens
 
 
+def test_a_drift_is_followed_from_the_second_exchange_on():
+    """A process that has just started (two or three exchanges, their round trips 0.3-0.7 ms as on a
+    busy host): its 50 ppm drift is already in the line, not left to the bound. Flat from the best
+    exchange, one second past the last it would be off by 50 µs plus the distance back to that one."""
+    drift = 50e-6
+    for delays_us in ((300, 700), (700, 300, 650)):
+        book = ClockBook()
+        for i, delay in enumerate(delays_us):
+            exchange(book, "d", BASE_NS + i * 2_000 * MS, skew_ns=int(drift * i * 2_000 * MS), delay_ns=delay * US)
+        later = (len(delays_us) - 1) * 2_000 + 1_000  # ms after the first exchange
+        offset, bound = book.offset("d", BASE_NS + later * MS)
+        truth = -drift * later * MS
+        assert abs(offset - truth) <= 5 * US, (delays_us, offset - truth)
+        assert abs(offset - truth) <= bound
+
+
 def test_congested_exchanges_are_left_out_of_the_fit():
     samples = [Sample("x", BASE_NS + i * 1_000 * MS, -10 * MS, 200 * US) for i in range(10)]
     samples.append(Sample("x", BASE_NS + 11_000 * MS, -10 * MS + 5 * MS, 12 * MS))  # a 12 ms round trip
