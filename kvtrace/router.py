@@ -226,9 +226,12 @@ class Router:
                             task.cancel()
             if body.get("stream"):  # TTFT ends as the first token leaves for the client: what it sees
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await response.prepare(request)
-                await response.write(first_chunk)
+                await response.prepare(request)  # (headers go out with the first chunk)
+                # Read before the write, which hands the chunk to the client's socket: read after it,
+                # a busy host could run others between the two and the router's TTFT would outlast
+                # the client's.
                 first_token_ns = self._rec.now()
+                await response.write(first_chunk)
                 self._rec.record(trace, Stage.DECODE_LEG, sent.get("ns", first_token_ns), first_token_ns, attrs)
                 async for event in stream:
                     await response.write(event)
