@@ -159,14 +159,27 @@ def test_no_prompt_or_completion_text_in_any_exported_attribute(run):
             assert call.output.strip() not in blob
 
 
-def test_push_rendezvous_is_registration_first_for_long_prompts(push_run):
+def test_push_rendezvous_order_is_what_happened_and_long_prompts_mostly_register_first(push_run):
+    """P records the rendezvous from whichever half reached its writer first: D's registration
+    (then the rendezvous starts at the registration's arrival) or its own finished blocks (then it
+    ends as the registration arrives). A long prompt's prefill usually outlasts D's way to a
+    registration; on two busy cores D's tokenising and scheduling can lose that race, so most, not
+    all, long prompts rendezvous registration-first."""
     run = push_run
-    long_calls = [c for c in run.calls if c.prompt_tokens > 1000]
-    assert long_calls
-    for call in long_calls:
-        (rendezvous,) = [s for s in trace_of(run.traces, call.request_id)
-                         if s["attrs"]["kvtrace.stage"] == "rendezvous"]
-        assert rendezvous["attrs"]["kvtrace.rendezvous.order"] == "registration_first", call.request_id
+    orders = {}
+    for call in run.calls:
+        stage = {k: v[0] for k, v in _by_stage(trace_of(run.traces, call.request_id)).items()}
+        rendezvous, received = stage[("vllm-prefill", "rendezvous")], stage[("vllm-prefill", "registration")]
+        order = orders[call.request_id] = rendezvous["attrs"]["kvtrace.rendezvous.order"]
+        if order == "registration_first":
+            assert rendezvous["start"] == received["start"], call.request_id
+        else:
+            assert order == "kv_first", call.request_id
+            assert rendezvous["start"] <= received["start"] <= rendezvous["end"], call.request_id
+    long_orders = [orders[c.request_id] for c in run.calls if c.prompt_tokens > 1000]
+    print(f"\npush rendezvous: long prompts {long_orders}, all {sorted(orders.values())}")
+    assert len(long_orders) >= 3
+    assert long_orders.count("registration_first") * 2 > len(long_orders), long_orders
 
 
 def test_push_reliability_thirty_requests(push_run):
