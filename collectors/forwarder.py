@@ -6,8 +6,9 @@ Each upstream has its own bounded queue and daemon thread, so an upstream that i
 slow only fills its own queue (oldest dropped first, counted) and never slows ingestion or
 the local store. Whatever has queued up goes out in one call, up to :data:`MAX_CALL_BYTES`:
 serialized ``ExportTraceServiceRequest`` messages concatenated are one message holding all
-their ``resource_spans`` (protobuf merges repeated fields), so no byte is parsed or re-encoded,
-and a call costs the forwarder about as much CPU as the bytes in it, whatever their number.
+their ``resource_spans`` (protobuf merges repeated fields), so no byte is parsed or re-encoded;
+at OTLP's usual request sizes a gRPC call's fixed cost outweighs its bytes, so fewer, larger
+calls cost the collector less CPU per span.
 Retryable failures (gRPC UNAVAILABLE and friends, HTTP 429/502/503/504, connection errors)
 back off exponentially up to ``max_retry_s``; others are dropped at once.
 """
