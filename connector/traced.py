@@ -88,8 +88,8 @@ class _Traced:
         self._kvtrace_recorder = recorder
         self._kvtrace_worker_loop_ns = 0
         if not getattr(vllm_config, "shutdown_timeout", 1):
-            logger.warning("kvtrace: vLLM's --shutdown-timeout is 0, so a stopping engine is killed before its "
-                           "connector shuts down: the spans of the last ~%d ms are lost; set "
+            logger.warning("kvtrace: vLLM's --shutdown-timeout is 0, so a stopping engine core is killed before it "
+                           "exits and flushes: the spans of the last ~%d ms are lost; set "
                            "--shutdown-timeout 5 to keep them", telemetry_config.schedule_delay_ms)
         logger.info("kvtrace: traced %s active (%s, %s, engine %s, spans to %s)", name,
                     role.name.lower(), engine_role.value, self.engine_id,

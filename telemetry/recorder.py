@@ -11,9 +11,9 @@ or slow only ever costs that thread. Modelled on the OpenTelemetry SDK's BatchPr
 from __future__ import annotations
 
 import atexit
-import multiprocessing.util
 import collections
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
@@ -120,7 +120,7 @@ class Recorder:
         weak_reinit = weakref.WeakMethod(self._at_fork_reinit)
         os.register_at_fork(after_in_child=lambda: (m := weak_reinit()) is not None and m())
         weak_shutdown = weakref.WeakMethod(self.shutdown)
-        atexit.register(lambda: (m := weak_shutdown()) is not None and m())
+        atexit.register(_shutdown_if_alive, weak_shutdown)
         # vLLM's engine core and workers are multiprocessing children, which leave through os._exit
         # after running multiprocessing's finalizers, not atexit's: flush there too.
         multiprocessing.util.Finalize(self, _shutdown_if_alive, args=(weak_shutdown,), exitpriority=100)

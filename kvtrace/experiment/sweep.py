@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -268,28 +269,34 @@ def _local_pair(stack: contextlib.ExitStack, mode: str, model: str, endpoint: st
 
 def _settle(collector: Any, run_id: str, finished: int, progress: Any, timeout_s: float = 30.0) -> None:
     """Wait (bounded) until the run's finished requests all have complete traces in the store."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        collector.store.flush()
-        complete = collector.store.query("SELECT count(*) FROM requests WHERE run_id = ? AND complete AND "
-                                         "point_prompt_tokens IS NOT NULL", [run_id])[0][0]
-        if complete >= finished:
-            return
-        time.sleep(0.5)
-    progress.write(f"warning: run {run_id}: {finished - complete} of {finished} requests' traces were still "
-                   f"incomplete after {timeout_s:.0f} s", file=sys.stderr)
+    def complete() -> int:
+        return collector.store.query("SELECT count(*) FROM requests WHERE run_id = ? AND complete AND "
+                                     "point_prompt_tokens IS NOT NULL", [run_id])[0][0]
+
+    if not _poll_store(collector, lambda: complete() >= finished, timeout_s):
+        progress.write(f"warning: run {run_id}: {finished - complete()} of {finished} requests' traces were still "
+                       f"incomplete after {timeout_s:.0f} s", file=sys.stderr)
 
 
 def _drain(collector: Any, run_ids: list[str], progress: Any) -> None:
     """Wait until the collector has decided every trace and stored the run records (bounded)."""
-    deadline = time.monotonic() + 60
+    def drained() -> bool:
+        status = collector.status()
+        recorded = collector.store.query("SELECT count(*) FROM runs WHERE run_id IN (SELECT unnest(?))", [run_ids])
+        return not status["pending_traces"] + status["queued_requests"] and recorded[0][0] == len(run_ids)
+
+    if not _poll_store(collector, drained, 60.0):
+        progress.write("warning: the collector had not decided every trace after 60 s; stored what it had",
+                       file=sys.stderr)
+
+
+def _poll_store(collector: Any, done: Callable[[], bool], timeout_s: float) -> bool:
+    """Flush the collector's store and ask ``done()`` every 0.5 s until it holds (True) or
+    ``timeout_s`` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         collector.store.flush()
-        status = collector.status()
-        pending = status["pending_traces"] + status["queued_requests"]
-        recorded = collector.store.query("SELECT count(*) FROM runs WHERE run_id IN (SELECT unnest(?))", [run_ids])
-        if not pending and recorded[0][0] == len(run_ids):
-            return
+        if done():
+            return True
         time.sleep(0.5)
-    progress.write("warning: the collector had not decided every trace after 60 s; stored what it had",
-                   file=sys.stderr)
+    return False

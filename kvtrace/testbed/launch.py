@@ -167,8 +167,8 @@ class LocalPair:
                    "--model", str(c.model_dir), "--served-model-name", "tiny",
                    "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--max-model-len", str(c.max_model_len), "--max-num-seqs", "8",
-                   # a grace period at stop, so the engine core shuts its connector down (and kvtrace
-                   # flushes its last spans) instead of being killed at once (vLLM's default, 0)
+                   # a grace period at stop, so the engine core exits (and kvtrace's recorder flushes its
+                   # last spans) instead of being killed at once (vLLM's default, 0)
                    "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                    "--kv-transfer-config", json.dumps(kv_config)]
         if c.tracing:  # the receipt time of each leg, for the engine's input stage
@@ -278,10 +278,10 @@ class LocalPair:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM each process we started, wait for its group, then SIGKILL what is left.
 
-        Only the leader (vLLM's API server) gets SIGTERM: it stops its engine core, which shuts
-        its connector down (kvtrace flushes its spans there). A second SIGTERM straight to the
-        engine core — as a signal to the whole group would send — lands after vLLM has restored
-        the default handler for its teardown, and kills it halfway."""
+        Only the leader (vLLM's API server) gets SIGTERM: it stops its engine core, which exits
+        through multiprocessing's finalizers (kvtrace flushes its spans there). A second SIGTERM
+        straight to the engine core — as a signal to the whole group would send — lands after vLLM
+        has restored the default handler for its teardown, and kills it halfway."""
         for proc in reversed(self.procs):
             if proc.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

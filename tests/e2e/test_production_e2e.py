@@ -134,8 +134,8 @@ def test_kvtrace_metrics_on_each_engines_own_metrics_endpoint(hashed_run):
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_stopping_the_pair_right_after_a_request_loses_no_spans(tmp_path, mode):
     """The engines run in multiprocessing children, which exit without atexit handlers: the
-    connector flushes its spans when vLLM shuts it down, so a request answered just before the
-    pair stops still has every span of its trace."""
+    recorder flushes in multiprocessing's exit finalizers (given vLLM's grace period to run them),
+    so a request answered just before the pair stops still has every span of its trace."""
     sink = SpanSink()
     sink.receiver.start()
     try:
