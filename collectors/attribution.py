@@ -1,7 +1,9 @@
 """Critical-path attribution of time to first token (TTFT).
 
 TTFT runs from the router's arrival (``pd.request`` start) to the first token the router
-saw (``kvtrace.router.ttft_ns``). The path is walked back from D's ``engine.first_token``:
+saw (``kvtrace.router.ttft_ns``). Behind another router it runs from the user's gateway span, or
+from P's input, to D's first token (:class:`~kvtrace.telemetry.semconv.TtftReference`). The path
+is walked back from D's ``engine.first_token``:
 at each stage, the predecessor that finished last (among the stages it depends on, per
 mode) is taken, and the stage is charged only for the time after that predecessor ended —
 so the part of a push rendezvous that waited for a prefill still running is charged to the
@@ -9,7 +11,10 @@ prefill (``registration_first``), while a rendezvous that waited for D's registr
 (``kv_first``) is charged to coordination. Time between stages that no span covers (HTTP,
 tokenisation, the first chunk's way back to the router) is ``unattributed``. Segments are
 contiguous and clipped to [arrival, first token], so the categories sum to TTFT exactly and
-none is negative.
+none is negative. A stage the trace lacks (no kvtrace router, a dropped span, a stage an older
+sender does not record) is bridged: the walk goes on to what that stage would have waited for.
+A stage recorded by several processes of one side (tensor-parallel ranks) runs from the first
+one's start to the last one's end: the KV cache has landed when the last rank's transfer has.
 
 Spans from other processes are first put on the trace's router's clock (:mod:`.clocks`: measured
 offsets with an error bound, or offsets inferred from the order of the trace's spans).
@@ -21,8 +26,8 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
-    CATEGORIES, D_INPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, ROOT, ROUTE, ROUTER,
-    GAP, STAGE_CATEGORY, Breakdown, Segment,
+    ALLOCATION, CATEGORIES, D_INPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, RELAY,
+    ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .model import SpanRow
@@ -58,8 +63,9 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
         (DECODE, "descriptor_prep"): [(DECODE, "handshake"), READ_WAIT, (DECODE, "allocation")],
         (DECODE, "handshake"): [READ_WAIT, (DECODE, "allocation")],
         READ_WAIT: [(DECODE, "allocation")],
-        (DECODE, "allocation"): [D_INPUT, (ROUTER, "registration")],
-        D_INPUT: [(ROUTER, "registration")],
+        (DECODE, "allocation"): [D_INPUT, RELAY, (ROUTER, "registration")],
+        D_INPUT: [RELAY, (ROUTER, "registration")],
+        RELAY: [(PREFILL, "prefill")],
         (ROUTER, "registration"): [PREFILL_LEG, (PREFILL, "prefill")],
         PREFILL_LEG: [(PREFILL, "prefill")],
         (PREFILL, "prefill"): [(PREFILL, "p_queue")],
@@ -69,7 +75,29 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     },
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
-EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL for mode, graph in PREDECESSORS.items()}
+NOT_BRIDGED = {RELAY}  # derived only where no router relayed: never stands in for the router's registration
+EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL - NOT_BRIDGED for mode, graph in PREDECESSORS.items()}
+"""What a trace served by kvtrace's router, recorded with today's contract, has."""
+_ROUTER_KEYS = frozenset((ROUTER, semconv.STAGE_LABELS[stage]) for stage in semconv.ROUTER_STAGES) | {
+    (ROUTER, semconv.STAGE_LABELS[semconv.Stage.REGISTRATION])}
+_SINCE = {(side.value, semconv.STAGE_LABELS[stage]): version for stage, version in semconv.STAGE_SINCE.items()
+          for side in semconv.STAGES[stage].sides}
+_CONTRACT_SIDES = frozenset({ROUTER, PREFILL, DECODE})
+_ROUTER_REF, _GATEWAY_REF, _ENGINE_REF = (r.value for r in semconv.TtftReference)
+_expected_cache: dict[tuple[str, str, int], frozenset] = {}
+
+
+def expected_stages(mode: str, reference: str, version: int) -> frozenset:
+    """The stages a complete trace has: those of its mode, less the router's where kvtrace's router did
+    not serve it, less those added to the contract after its senders' version."""
+    key = (mode, reference, version)
+    found = _expected_cache.get(key)
+    if found is None:
+        stages = EXPECTED[mode] - (_ROUTER_KEYS if reference != _ROUTER_REF else set())
+        found = _expected_cache[key] = frozenset(k for k in stages if _SINCE.get(k, 1) <= version)
+    return found
+
+
 # stage label -> the detail attributes recorded on it (no other span's attributes are read)
 _DETAILS: dict[str, list[str]] = {}
 for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
@@ -78,6 +106,7 @@ for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
 _CLIENT_SPAN = semconv.SPAN_CLIENT_REQUEST
 _CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
+_NOT_OUTER = frozenset({_CLIENT_SPAN, "llm_request"})  # the load generator's; vLLM's own, one per engine
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
@@ -87,13 +116,17 @@ class Attributor:
     def __init__(self, clocks: ClockBook | None = None) -> None:
         self.clocks = ClockAligner(clocks)
 
-    def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown:
+    def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown | None:
+        """The trace's breakdown; None for a trace with no kvtrace span (nothing to attribute)."""
         index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
         error = False
         mode = ""
         p_any = d_any = None  # a span from P and from D: their instances
         first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
         client = None
+        ranks: dict[tuple[str, str], dict[str, SpanRow]] = {}  # stages several processes recorded
+        contract = 0  # the lowest contract version its senders declare (0: none declares one)
+        undeclared = False  # a sender older than the version attribute
         for span in spans:
             if span.name == _CLIENT_SPAN:  # the load generator's view: read, but not a stage
                 client = span
@@ -105,20 +138,40 @@ class Attributor:
             side = origin.side
             key = (side, span.stage)
             seen = index.get(key)
-            if seen is None or span.start < seen.start:
+            if seen is None:
                 index[key] = span
+            elif seen.origin.instance == origin.instance and key not in ranks:
+                if span.start < seen.start:  # a stage repeated (preemption): its first time counts
+                    index[key] = span
+            else:  # another process of the side recorded it too (a TP rank): keep each one's first
+                by_rank = ranks.get(key)
+                if by_rank is None:
+                    by_rank = ranks[key] = {seen.origin.instance: seen}
+                mine = by_rank.get(origin.instance)
+                if mine is None or span.start < mine.start:
+                    by_rank[origin.instance] = span
+                if span.start < seen.start:
+                    index[key] = span
             if span.status == 2:
                 error = True
             if not mode:
                 mode = origin.mode
-            if side == PREFILL:
-                p_any = p_any or span
-            elif side == DECODE:
-                d_any = d_any or span
+            if side in _CONTRACT_SIDES:
+                if origin.contract:
+                    contract = min(contract, origin.contract) if contract else origin.contract
+                else:
+                    undeclared = True
+                if side == PREFILL:
+                    p_any = p_any or span
+                elif side == DECODE:
+                    d_any = d_any or span
         root = index.get(ROOT)
+        if root is None and p_any is None and d_any is None and client is None:
+            return None  # no kvtrace span (vLLM's own tracing, a gateway alone): not a request
+        outer = _outer_span(spans, index.get(FIRST_TOKEN)) if root is None else None
         if mode not in PREDECESSORS:
             mode = "push"
-        offsets, bounds, suspect = self.clocks.align(index, root, mode, p_any, d_any, first_of)
+        offsets, bounds, suspect = self.clocks.align(index, root, mode, p_any, d_any, first_of, outer)
         timings: dict[tuple[str, str], tuple[int, int, str]] = {}
         origin = off = None
         for key, span in index.items():
@@ -126,24 +179,40 @@ class Attributor:
                 origin = span.origin
                 off = offsets.get(origin.instance, 0)
             timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], _COORDINATION))
+        for key, by_rank in ranks.items():  # from the first rank's start to the last one's end
+            shifted = [(s.start + offsets.get(s.origin.instance, 0), s.end + offsets.get(s.origin.instance, 0))
+                       for s in by_rank.values()]
+            timings[key] = (min(t[0] for t in shifted), max(t[1] for t in shifted), timings[key][2])
         first = timings.get(FIRST_TOKEN)
         if root is not None:
+            reference = _ROUTER_REF
             start = root.start
             ttft = root.attrs.get(_TTFT)
             end = start + int(ttft) if ttft else (first[1] if first else root.end)
         else:
-            # (only a client span: the request never reached the router; an empty breakdown)
-            start = min((t[0] for t in timings.values()), default=client.start if client else 0)
+            reference = _GATEWAY_REF if outer is not None else _ENGINE_REF
+            if outer is not None:
+                start = outer.start + offsets.get(outer.origin.instance, 0)
+            else:  # P's API server having it, else the earliest of P's stages, else the earliest stage
+                p_first = timings.get(P_INPUT) or timings.get((PREFILL, "p_queue"))
+                start = p_first[0] if p_first else min((t[0] for t in timings.values()),
+                                                       default=client.start if client else 0)
             end = first[1] if first else max((t[1] for t in timings.values()), default=start)
+            if mode == "pull":
+                _add_relay(timings)
         parts, critical, segments = self._walk(timings, PREDECESSORS[mode], start, end)
 
-        missing = EXPECTED[mode] - index.keys()
+        if undeclared:  # an older sender: version 2 recorded engine.input, version 1 did not
+            inferred = 2 if P_INPUT in index or D_INPUT in index else 1
+            contract = min(contract, inferred) if contract else inferred
+        missing = expected_stages(mode, reference, contract or semconv.CONTRACT_VERSION) - index.keys()
         missing = sorted(f"{side}:{stage}" for side, stage in missing) if missing else []
         breakdown = Breakdown(
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error, segments=segments,
-            root_span_id=root.span_id if root is not None else b"",
+            root_span_id=root.span_id if root is not None else outer.span_id if outer is not None else b"",
+            ttft_reference=reference,
             offsets_ns=offsets, clock_bounds_ns=bounds, clock_suspect=suspect,
             prefill_instance=p_any.origin.instance if p_any else "",
             decode_instance=d_any.origin.instance if d_any else "",
@@ -182,7 +251,14 @@ class Attributor:
             pred_key, pred_end = None, start
             for key in preds:  # the predecessor that ended last (the first of equals)
                 candidate = timings.get(key)
-                if candidate is not None and (pred_key is None or candidate[1] > pred_end):
+                if candidate is None:  # not in this trace: bridge to what it waits for
+                    if key in NOT_BRIDGED:
+                        continue
+                    key = _latest_present(graph, timings, key)
+                    if key is None:
+                        continue
+                    candidate = timings[key]
+                if pred_key is None or candidate[1] > pred_end:
                     pred_key, pred_end = key, candidate[1]
             # This stage's segment: from when its last predecessor ended (or it started, if
             # later) to when it ended (or t, if the walk is already earlier), within [start, t].
@@ -244,6 +320,50 @@ class Attributor:
                     breakdown.last_token_ns = int(value)
                 elif key == semconv.ATTR_BLOCK_COUNT:
                     breakdown.block_count = max(breakdown.block_count, int(value))
+
+
+def _latest_present(graph, timings, missing: tuple[str, str]) -> tuple[str, str] | None:
+    """For a stage the trace lacks, the one of the stages it waits for (bridging those it lacks too)
+    that ended last; None if none is there."""
+    best, best_end = None, 0
+    stack, seen = list(graph.get(missing, ())), {missing}
+    while stack:
+        key = stack.pop(0)
+        if key in seen or key in NOT_BRIDGED:
+            continue
+        seen.add(key)
+        found = timings.get(key)
+        if found is None:
+            stack.extend(graph.get(key, ()))
+        elif best is None or found[1] > best_end:
+            best, best_end = key, found[1]
+    return best
+
+
+def _add_relay(timings: dict[tuple[str, str], tuple[int, int, str]]) -> None:
+    """Pull behind another router: name the time from P's prefill ending to D having the request."""
+    if (ROUTER, "registration") in timings:
+        return
+    prefill, arrived = timings.get((PREFILL, "prefill")), timings.get(D_INPUT) or timings.get(ALLOCATION)
+    if prefill is not None and arrived is not None and arrived[0] >= prefill[1]:
+        timings[RELAY] = (prefill[1], arrived[0], _COORDINATION)
+
+
+def _outer_span(spans: list[SpanRow], first_token: SpanRow | None) -> SpanRow | None:
+    """The user's gateway span enclosing the request: the earliest span from outside the contract whose
+    parent is not in the trace (or is the load generator's client span) and that ended no earlier than
+    D's first token. vLLM's own ``llm_request`` spans (one per engine, ``--otlp-traces-endpoint``) are
+    never it: they sit under the span the engine received."""
+    ids = {span.span_id for span in spans if span.name != _CLIENT_SPAN}
+    outer = None
+    for span in spans:
+        if span.origin.side in _CONTRACT_SIDES or span.name in _NOT_OUTER or span.parent_span_id in ids:
+            continue
+        if first_token is not None and span.end < first_token.end:
+            continue
+        if outer is None or span.start < outer.start:
+            outer = span
+    return outer
 
 
 def _run_id(root: SpanRow | None, spans: list[SpanRow]) -> str:

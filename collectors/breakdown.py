@@ -25,7 +25,10 @@ PREFILL_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.PREFILL_LEG])
 P_INPUT = (PREFILL, semconv.STAGE_LABELS[Stage.P_INPUT])
 D_INPUT = (DECODE, semconv.STAGE_LABELS[Stage.D_INPUT])
 READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
+RELAY = (ROUTER, semconv.RELAY_LABEL)
+"""Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
 STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
+STAGE_CATEGORY[semconv.RELAY_LABEL] = semconv.Category.COORDINATION.value
 """Each contract stage's category; a stage outside the contract counts as coordination."""
 CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2
@@ -82,7 +85,8 @@ class Breakdown:
     client: dict[str, float] = field(default_factory=dict)  # the load generator's client span's
     # measures and point (semconv.CLIENT_ATTRIBUTES present on it), when a sweep sent the request
     segments: list[Segment] = field(default_factory=list)  # the critical path, first to last
-    root_span_id: bytes = b""  # pd.request's span id, b"" when the trace has no root
+    root_span_id: bytes = b""  # pd.request's span id (or the gateway's outer span's), b"" when the trace has none
+    ttft_reference: str = semconv.TtftReference.ROUTER.value  # what TTFT runs from (semconv.TtftReference)
 
     @property
     def critical_path(self) -> str:

@@ -164,6 +164,7 @@ class BreakdownSpans:
         path = tuple(b.critical_ns)
         attrs.append(_PATHS.get(path) or _critical_path(path, b.critical_path))
         for key, value in ((semconv.BREAKDOWN_MODE, b.mode), (semconv.BREAKDOWN_RUN_ID, b.run_id),
+                           (semconv.BREAKDOWN_TTFT_REFERENCE, b.ttft_reference),
                            (semconv.BREAKDOWN_RENDEZVOUS_ORDER, b.rendezvous_order),
                            (semconv.BREAKDOWN_PREFILL_INSTANCE, b.prefill_instance),
                            (semconv.BREAKDOWN_DECODE_INSTANCE, b.decode_instance)):

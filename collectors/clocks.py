@@ -269,12 +269,16 @@ class ClockAligner:
         self.estimator = OffsetEstimator()
 
     def align(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any,
-              instances: dict[str, Any]) -> tuple[dict[str, int], dict[str, int], bool]:
+              instances: dict[str, Any], outer: Any = None) -> tuple[dict[str, int], dict[str, int], bool]:
         """(offset to add per instance, error bound per measured instance, suspect) for one trace;
         ``instances``: each process in it, with its earliest span. P and D can each be several
         processes (engine core and workers): each measured one gets its own offset, one that is not
-        takes that of a process on its host, else its side's."""
+        takes that of a process on its host, else its side's. ``outer``: the user's gateway span,
+        where no kvtrace router served the trace — P is then the reference, and the gateway (whose
+        clock nobody measures) is placed by the order of its span around P's and D's."""
         offsets, bounds, suspect = self._align_sides(index, root, mode, p_any, d_any)
+        if outer is not None and offsets:
+            offsets[outer.origin.instance] = self._place_outer(index, outer, offsets, p_any, d_any)
         if len(instances) > len(offsets):
             by_host = {span.origin.host: offsets[i] for i, span in instances.items() if i in offsets and span.origin.host}
             side_offset = {span.origin.side: offsets[i] for i, span in instances.items() if i in offsets}
@@ -322,9 +326,10 @@ class ClockAligner:
             return offset
 
         get = index.get
-        if root is None:  # P is the reference: only push's P<->D pairs bound D
+        if root is None:  # P is the reference: only the P<->D pairs bound D
             if d_any is not None:
-                place(d_any, *_tighten_with_prefill(index, 0, None, None))
+                place(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push"
+                               else _pull_pairs(index)))
             return offsets, bounds, suspect
         route = get(ROUTE)
         route_end = route.end if route is not None else root.start
@@ -348,6 +353,35 @@ class ClockAligner:
             upper = back - token.end if token is not None else None
             place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
         return offsets, bounds, suspect
+
+
+    def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
+        """The gateway's offset onto P's clock: its span started before P had the request and ended
+        after D's first token."""
+        get = index.get
+        upper = lower = None
+        p_first = get(P_INPUT) or get((PREFILL, "p_queue"))
+        if p_first is not None:
+            upper = p_first.start + offsets.get(p_first.origin.instance, 0) - outer.start
+        token = get(FIRST_TOKEN)
+        if token is not None:
+            lower = token.end + offsets.get(token.origin.instance, 0) - outer.end
+        reference = p_any.origin.instance if p_any is not None else d_any.origin.instance if d_any else ""
+        return self.estimator.update((reference, outer.origin.instance), lower, upper)
+
+
+def _pull_pairs(index):
+    """Pull with P as the reference: D had its leg after P's prefill ended; D's READ was done before
+    P saw its notification (P's ``kv.completion`` starts there)."""
+    get = index.get
+    lower = upper = None
+    prefill, first = get((PREFILL, "prefill")), get(D_INPUT) or get((DECODE, "allocation"))
+    if prefill is not None and first is not None:
+        lower = prefill.end - first.start
+    read, released = get((DECODE, "read")), get((PREFILL, "completion"))
+    if read is not None and released is not None:
+        upper = released.start - read.end
+    return lower, upper
 
 
 def _tighten_with_prefill(index, p_offset: int, lower, upper):

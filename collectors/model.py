@@ -60,7 +60,8 @@ WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *sem
                                *semconv.CLIENT_ATTRIBUTES, semconv.RUN_CONFIG})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
                             semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME,
-                            semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE})
+                            semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE,
+                            semconv.RES_CONTRACT_VERSION})
 _SPAN_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in WANTED_ATTRIBUTES}
 _RESOURCE_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in _RESOURCE_KEYS}
 
@@ -94,6 +95,7 @@ class Origin:
     vllm_version: str = ""  # what the sender runs: run records show the engines'
     nixl_version: str = ""
     hardware: str = ""
+    contract: int = 0  # the contract version it records (kvtrace.contract.version); 0: not said
 
     @classmethod
     def of(cls, attributes: dict[str, Any], resource: bytes = b"") -> "Origin":
@@ -107,7 +109,16 @@ class Origin:
                    str(attributes.get(semconv.RES_HOST_NAME) or ""),
                    str(attributes.get(semconv.RES_VLLM_VERSION) or ""),
                    str(attributes.get(semconv.RES_NIXL_VERSION) or ""),
-                   str(attributes.get(semconv.RES_HARDWARE) or ""))
+                   str(attributes.get(semconv.RES_HARDWARE) or ""),
+                   _int(attributes.get(semconv.RES_CONTRACT_VERSION)))
+
+
+def _int(value: Any) -> int:
+    """A resource attribute's integer (string or int); 0 when absent or not a number."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 class SpanRow(NamedTuple):

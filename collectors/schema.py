@@ -11,7 +11,8 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
   than recomputed in SQL. ``flush_id`` is the commit that wrote the row. A request a load
   generator sent (``kvtrace bench sweep``) also has its client's measures (``client_*``) and
   its point (``point_rate`` or ``point_concurrency``, ``point_prompt_tokens``); ``run_id``
-  groups it with its run.
+  groups it with its run. ``ttft_reference`` says what its TTFT runs from
+  (:class:`~kvtrace.telemetry.semconv.TtftReference`: ``router``, ``gateway`` or ``engine``).
 * ``runs`` — one row per run record (``kvtrace.run`` span): the run's configuration and the load
   generator's per-point results, as JSON (``config``).
 * ``stage_keys`` — one row per (side, stage) ever seen, with its category: the contract's
@@ -47,7 +48,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 """Bump when a table, view or rollup changes: a file with another version is refused."""
 
 PARTS: Final = tuple(c.value for c in semconv.BREAKDOWN_CATEGORIES)
@@ -109,7 +110,8 @@ CREATE TABLE IF NOT EXISTS requests (
     stage_ids SMALLINT[], stage_start_ns BIGINT[], stage_end_ns BIGINT[], stage_critical_ns BIGINT[],
     flush_id BIGINT, updated_at TIMESTAMPTZ,
     client_ttft_ms DOUBLE, client_tpot_ms DOUBLE, client_itl_p50_ms DOUBLE, client_itl_p99_ms DOUBLE,
-    client_output_tokens INTEGER, point_rate DOUBLE, point_concurrency INTEGER, point_prompt_tokens INTEGER
+    client_output_tokens INTEGER, point_rate DOUBLE, point_concurrency INTEGER, point_prompt_tokens INTEGER,
+    ttft_reference VARCHAR
 );
 CREATE TABLE IF NOT EXISTS runs (
     run_id VARCHAR PRIMARY KEY, recorded_at TIMESTAMPTZ, config VARCHAR

@@ -230,6 +230,8 @@ class Collector:
             logger.exception("kvtrace collector: could not attribute trace %s", trace_hex)
             self.metrics.rejected("attribution_error")
             return
+        if breakdown is None:  # no kvtrace span (vLLM's own tracing alone): its spans are kept, no request row
+            return
         self.store.add_breakdown(breakdown, replaces=late or self._replaying)
         self.metrics.trace(breakdown, late)
         if self.upstreams and not self._replaying:

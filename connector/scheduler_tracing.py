@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.telemetry import semconv
-from kvtrace.telemetry.context import Sampler, TraceRef, parse_traceparent
+from kvtrace.telemetry.context import Sampler, TraceRef, parse_traceparent, request_trace
 from kvtrace.telemetry.semconv import FailureCause, Role, Stage
 
 from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
@@ -54,8 +54,10 @@ class _Request:
 
 
 class SchedulerTracing:
-    def __init__(self, recorder: Any, sampler: Sampler, role: Role, engine_id: str) -> None:
+    def __init__(self, recorder: Any, sampler: Sampler, role: Role, engine_id: str, *,
+                 trace_key: bytes = b"") -> None:
         self._rec = recorder
+        self._trace_key = trace_key
         self._sampler = sampler
         self._producer = role is Role.PRODUCER
         self._engine_id = engine_id
@@ -71,11 +73,19 @@ class SchedulerTracing:
         return base_request_id(request_id)
 
     def _trace_ref(self, request: Any) -> TraceRef:
-        params = request.kv_transfer_params or {}
-        ref = parse_traceparent(params.get(PARAM_TRACEPARENT))
-        if ref is None and request.trace_headers:  # vLLM's own tracing carried it
-            ref = parse_traceparent(request.trace_headers.get("traceparent"))
-        return ref if ref is not None else self._sampler.start(None)
+        """The trace this request's spans join, from the first the deployment gives: the caller's W3C
+        context (vLLM hands the ``traceparent`` header over as ``trace_headers`` when its own tracing
+        is on; Dynamo passes it directly), kvtrace's field in ``kv_transfer_params`` (kvtrace's router;
+        in pull, P's returned params relayed to D), else a trace derived from the base request id,
+        which P and D share behind any router (push proxies rebuild D's params without our field)."""
+        headers = request.trace_headers
+        ref = parse_traceparent(headers.get("traceparent")) if headers else None
+        if ref is None:
+            ref = parse_traceparent((request.kv_transfer_params or {}).get(PARAM_TRACEPARENT))
+        if ref is None:
+            trace_id, parent_id = request_trace(base_request_id(request.request_id), self._trace_key)
+            ref = TraceRef(trace_id, parent_id, self._sampler.should_sample(trace_id))
+        return ref
 
     def add_loop_time(self, ns: int, request_id: str | None = None) -> None:
         self._loop_ns += ns

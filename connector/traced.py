@@ -79,8 +79,9 @@ class _Traced:
                              engine_id=self.engine_id, extra_resource=options.resource_attributes(),
                              metrics=connector_metrics(telemetry_config, self._kvtrace_mode.value, engine_role.value))
         if self.connector_scheduler is not None:
+            trace_key = (telemetry_config.hash_key or "").encode() if telemetry_config.hash_request_ids else b""
             self._kvtrace_scheduler = SchedulerTracing(
-                recorder, sampler(telemetry_config), engine_role, self.engine_id)
+                recorder, sampler(telemetry_config), engine_role, self.engine_id, trace_key=trace_key)
         if self.connector_worker is not None:
             self._kvtrace_worker = WorkerTracing(recorder, self._kvtrace_mode.value, self.engine_id,
                                                  self.kvtrace_guard)

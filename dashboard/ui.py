@@ -9,6 +9,7 @@ from typing import Any
 import streamlit as st
 
 from kvtrace.collectors.reader import Filters, StoreUnavailable, length_label
+from kvtrace.telemetry import semconv
 
 from . import data
 
@@ -16,6 +17,8 @@ WINDOWS = {"all": None, "15m": timedelta(minutes=15), "1h": timedelta(hours=1), 
            "24h": timedelta(hours=24), "7d": timedelta(days=7)}
 WINDOW_LABELS = {"all": "All data", "15m": "Last 15 minutes", "1h": "Last hour", "6h": "Last 6 hours",
                  "24h": "Last 24 hours", "7d": "Last 7 days"}
+TTFT_REFERENCES = {r.value: meaning for r, meaning in semconv.TTFT_REFERENCE_MEANINGS.items()}
+"""What each TTFT reference measures from and to (the contract's words), for the pages' help."""
 _KEYS = {"window": "f_window", "mode": "f_modes", "run": "f_runs", "instance": "f_instances", "len": "f_len"}
 
 EMPTY_HELP = """

@@ -47,6 +47,11 @@ OTEL_BSP_MAX_EXPORT_BATCH_SIZE: Final = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
 # kvtrace's own: request-id hashing must be switchable where no kvtrace block exists (the router)
 KVTRACE_HASH_REQUEST_IDS: Final = "KVTRACE_HASH_REQUEST_IDS"
 KVTRACE_HASH_KEY: Final = "KVTRACE_HASH_KEY"
+KVTRACE_CLOCK_ENDPOINT: Final = "KVTRACE_CLOCK_ENDPOINT"
+"""Where the clock exchange goes when spans reach the kvtrace collector through another OTLP collector
+(which would answer it 404): the kvtrace collector's own URL. Default: the traces endpoint."""
+KVTRACE_CLOCK_PROTOCOL: Final = "KVTRACE_CLOCK_PROTOCOL"
+"""The clock endpoint's protocol (``grpc`` or ``http/protobuf``); default: the traces protocol."""
 
 PROTOCOLS: Final = ("grpc", "http/protobuf")
 EXPORTERS: Final = ("otlp", "console", "none")
@@ -97,6 +102,16 @@ class TelemetryConfig:
     metrics_port: int | None = None
     clock_sync_interval_ms: int = DEFAULT_CLOCK_SYNC_INTERVAL_MS
     """How often the exporter thread measures this process's clock against the collector's (0: never)."""
+    clock_endpoint: str | None = None
+    """The kvtrace collector's URL for the clock exchange (:data:`KVTRACE_CLOCK_ENDPOINT`); None: the
+    traces endpoint. Set it where an OpenTelemetry Collector sits between this process and kvtrace's."""
+    clock_protocol: str | None = None
+    """The clock endpoint's protocol; None: the traces protocol."""
+
+    @property
+    def clock_target(self) -> tuple[str | None, str]:
+        """(URL, protocol) of the clock exchange."""
+        return self.clock_endpoint or self.endpoint, self.clock_protocol or self.protocol
 
     @property
     def traces_enabled(self) -> bool:
@@ -185,6 +200,10 @@ class TelemetryConfig:
             values["metrics_port"] = parse_int(*got, minimum=0, maximum=65535)
         if (got := pick("clock_sync_interval_ms")) is not None:
             values["clock_sync_interval_ms"] = parse_int(*got, minimum=0, maximum=3_600_000)
+        if (got := pick("clock_endpoint", KVTRACE_CLOCK_ENDPOINT)) is not None:
+            values["clock_endpoint"] = parse_endpoint(*got)
+        if (got := pick("clock_protocol", KVTRACE_CLOCK_PROTOCOL)) is not None:
+            values["clock_protocol"] = parse_choice(*got, PROTOCOLS)
 
         config = cls(**values)
         if config.hash_request_ids and not config.hash_key:

@@ -1,13 +1,16 @@
 """W3C trace context as kvtrace carries it: a small immutable reference, cheap to pass around.
 
 The router starts (or continues) a trace and hands a ``traceparent`` to both engines through
-``kv_transfer_params``; engines pass it on to their workers and threads. Everything on the
+``kv_transfer_params``; engines pass it on to their workers and threads. Behind a router that
+propagates nothing, both engines derive one trace from the request id they share
+(:func:`request_trace`). Everything on the
 hot path holds a :class:`TraceRef`, never an OpenTelemetry ``Context``: it is a tuple, so
 creating, storing and pickling it costs next to nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -64,6 +67,21 @@ def parse_traceparent(value: str | None) -> TraceRef | None:
     if trace_id == 0 or span_id == 0:
         return None
     return TraceRef(trace_id, span_id, bool(int(flags_hex, 16) & _SAMPLED_FLAG))
+
+
+def request_trace(base_request_id: str, key: bytes = b"") -> tuple[int, int]:
+    """(trace id, parent span id) of a request that reached an engine with no trace context.
+
+    Every P/D router sends P and D the same request id (vLLM's push matches a registration to P's
+    blocks by it), so both engines — and every process of each — derive the same trace from it and
+    the request is one trace with no propagation at all, while two requests never share one (ids
+    are unique per request; 128 bits of a keyed BLAKE2b collide with probability ~n²/2¹²⁹). The
+    parent is no span anyone exports: it marks the spans of one request as siblings. ``key`` is the
+    request-id hash key where one is set, so a trace id reveals nothing about a guessable request id.
+    """
+    digest = hashlib.blake2b(base_request_id.encode(), digest_size=24, key=key[:64],
+                             person=b"kvtrace.request").digest()
+    return int.from_bytes(digest[:16], "big") or 1, int.from_bytes(digest[16:], "big") or 1
 
 
 def format_traceparent(ref: TraceRef) -> str:

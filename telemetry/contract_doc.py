@@ -43,7 +43,8 @@ def _read_on(key: str, prefix: str) -> str:
         return "spans outside the stage table"
     if prefix == "RES_" and key in (semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
                                     semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME,
-                                    semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE):
+                                    semconv.RES_VLLM_VERSION, semconv.RES_NIXL_VERSION, semconv.RES_HARDWARE,
+                                    semconv.RES_CONTRACT_VERSION):
         return "every resource"
     return ""
 
@@ -65,6 +66,20 @@ def _breakdown_section() -> list[str]:
     return lines
 
 
+def _reference_section() -> list[str]:
+    """What a TTFT runs from, and which stages a complete trace has, per reference and contract version."""
+    lines = ["", "## TTFT references and completeness", "", "| reference | TTFT runs |", "|---|---|"]
+    lines += [f"| `{r.value}` | {semconv.TTFT_REFERENCE_MEANINGS[r]} |" for r in semconv.TtftReference]
+    since = ", ".join(f"`{stage.name.lower()}` ({version})" for stage, version in semconv.STAGE_SINCE.items())
+    router = ", ".join(f"`{stage.name.lower()}`" for stage in sorted(semconv.ROUTER_STAGES))
+    lines += ["", f"A trace is complete when it has every stage of its mode that its reference and its senders' "
+              f"contract version record: the router's stages ({router}, and pull's router `registration`) only "
+              f"with the `router` reference; a stage added in a later version than its senders' only from that "
+              f"version on — {since}; `handshake` never (once per remote engine). Contract version "
+              f"{semconv.CONTRACT_VERSION}: {_markdown(_doc_of('CONTRACT_VERSION'))}"]
+    return lines
+
+
 def render() -> str:
     lines = [
         "# kvtrace span contract",
@@ -81,8 +96,10 @@ def render() -> str:
         sides = ", ".join(f"{s.value} ({semconv.RECORDED_ON[(s, stage)]})" for s in spec.sides)
         lines.append(f"| {stage.value} | `{stage.name.lower()}` | `{spec.span_name}` | "
                      f"{spec.category.value} | {sides} | {spec.start} | {spec.end} |")
+    lines += ["", f"`{semconv.RELAY_LABEL}` (router, coordination): {_markdown(_doc_of('RELAY_LABEL'))}"]
     lines += ["", "## Categories", "", "| category | meaning |", "|---|---|"]
     lines += [f"| `{c.value}` | {semconv.CATEGORY_MEANINGS[c]} |" for c in semconv.Category]
+    lines += _reference_section()
     for title, prefix in (("Span attributes", "ATTR_"), ("Resource attributes", "RES_")):
         lines += ["", f"## {title}", "", "| key | meaning | the collector reads it on |", "|---|---|---|"]
         seen = set()
@@ -98,10 +115,13 @@ def render() -> str:
     lines += _breakdown_section()
     lines += ["", "## Closed value sets", ""]
     for enum in (semconv.Mode, semconv.Role, semconv.RendezvousOrder, semconv.HandshakeKind,
-                 semconv.FailureCause):
+                 semconv.FailureCause, semconv.TtftReference):
         lines.append(f"- `{enum.__name__}`: " + ", ".join(f"`{m.value}`" for m in enum))
-    lines += ["", f"Trace context between router, P and D: a W3C `traceparent` under the key "
-              f"`{semconv.PARAM_TRACEPARENT}` of vLLM's `kv_transfer_params`."]
+    lines += ["", f"Trace context between router, P and D, the first that reaches an engine: the caller's W3C "
+              f"`traceparent` (vLLM's `trace_headers`, with its own tracing on), a `traceparent` under the key "
+              f"`{semconv.PARAM_TRACEPARENT}` of vLLM's `kv_transfer_params` (kvtrace's router; P's returned "
+              f"params in pull), else a trace id and parent span id derived from the base request id P and D "
+              f"share (keyed BLAKE2b; the request-id hash key where one is set)."]
     lines += ["", f"Span events: `{semconv.FAILURE_EVENT}` on a failed stage, with "
               f"`{semconv.ATTR_FAILURE_CAUSE}`; the span's status is ERROR.", ""]
     return "\n".join(lines)

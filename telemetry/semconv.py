@@ -90,6 +90,25 @@ class RendezvousOrder(str, enum.Enum):
     """P's blocks waited for D's registration: that wait is on the critical path."""
 
 
+class TtftReference(str, enum.Enum):
+    """What a request's TTFT is measured from and to: which part of the deployment the trace shows
+    (the collector takes the first that fits, in this order; :data:`TTFT_REFERENCE_MEANINGS`)."""
+
+    ROUTER = "router"
+    GATEWAY = "gateway"
+    ENGINE = "engine"
+
+
+TTFT_REFERENCE_MEANINGS: Final[dict[TtftReference, str]] = {
+    TtftReference.ROUTER: "kvtrace's router served it: from pd.request's start to the first token the router saw.",
+    TtftReference.GATEWAY: "The user's gateway or router exported a span enclosing the request (the trace's "
+                           "outermost span from outside the contract, e.g. one whose traceparent reached both "
+                           "engines): from that span's start to D's first token (engine.first_token's end).",
+    TtftReference.ENGINE: "No span from in front of the engines: from P's API server having the request "
+                          "(engine.input on P, else its queue) to D's first token (engine.first_token's end).",
+}
+
+
 class HandshakeKind(str, enum.Enum):
     """How much of the remote agent a handshake set up."""
 
@@ -230,6 +249,27 @@ STAGES: Final[dict[Stage, StageSpec]] = {
         SPAN_PD_DECODE_LEG, Category.COORDINATION, (_R,),
         "the router sends D's leg", "the first chunk (first token) is back at the router"),
 }
+
+CONTRACT_VERSION: Final = 3
+"""The version of this contract the senders record (resource attribute ``kvtrace.contract.version``).
+1: the first; 2: ``engine.input`` on P and D, ``kv.read_wait``, the router's legs; 3: the version
+attribute itself, traces joined behind any router (a caller's ``traceparent``, else one trace per
+base request id). A sender without the attribute is read as 2 where its trace has an ``engine.input``
+span, else as 1 (a collector cannot tell apart a version-2 trace that lost both input spans)."""
+
+STAGE_SINCE: Final[dict[Stage, int]] = {
+    Stage.P_INPUT: 2, Stage.D_INPUT: 2, Stage.READ_WAIT: 2, Stage.PREFILL_LEG: 2, Stage.DECODE_LEG: 2}
+"""The contract version that added a stage (1 for the others): a trace is complete when it has every
+stage its senders' version records."""
+
+ROUTER_STAGES: Final[frozenset[Stage]] = frozenset(
+    stage for stage, spec in STAGES.items() if spec.sides == (Side.ROUTER,))
+"""The stages only kvtrace's router records (expected only where it served the request)."""
+
+RELAY_LABEL: Final = "relay"
+"""A stage the collector derives, not a span: pull, with no kvtrace router in front, the time from P's
+prefill ending to D's API server having the request — the user's router taking P's answer and sending
+D its leg (coordination). Its side is ``router`` (whatever routes)."""
 
 STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
 """Stages in the order a request meets them (handshake, when it happens, sits before prep)."""
@@ -454,6 +494,9 @@ BREAKDOWN_RUN_ID: Final = "kvtrace.breakdown.run_id"
 BREAKDOWN_REQUEST_ID: Final = "kvtrace.breakdown.request_id"
 """The trace's ``kvtrace.request_id`` (hashed where the senders hash it)."""
 
+BREAKDOWN_TTFT_REFERENCE: Final = "kvtrace.breakdown.ttft_reference"
+"""What the TTFT is measured from (a :class:`TtftReference` value): ``router``, ``gateway`` or ``engine``."""
+
 BREAKDOWN_RENDEZVOUS_ORDER: Final = "kvtrace.breakdown.rendezvous_order"
 """Push: a :class:`RendezvousOrder` value; absent in pull."""
 
@@ -536,6 +579,9 @@ RES_NIXL_VERSION: Final = "nixl.version"
 RES_HARDWARE: Final = "kvtrace.hardware"
 """What the process runs on, in a few words: the GPUs torch sees (``1x NVIDIA H200``) or the CPU
 model and the cores it may use (``cpu: Intel(R) Xeon(R) ... x2``); run records show it."""
+
+RES_CONTRACT_VERSION: Final = "kvtrace.contract.version"
+"""The :data:`CONTRACT_VERSION` the process records (a string of digits)."""
 
 RES_ENGINE_ID: Final = "kvtrace.engine_id"
 """This engine's NIXL engine id (the same key as the span attribute)."""

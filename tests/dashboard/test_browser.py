@@ -173,7 +173,7 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     trace_id = live["reader"].slowest(Filters(), 1).to_pylist()[0]["trace_id"]
     page.goto(f"{live['ui']}/trace?trace_id={trace_id}")
     page.wait_for_selector(".main-svg", timeout=60_000)
-    ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (router)").locator(
+    ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (from router)").locator(
         "[data-testid='stMetricValue']").inner_text()
     assert ttft == f"{live['reader'].trace(trace_id)['request']['ttft_ms']:,.1f} ms"  # the deep link's trace
     assert f"trace_id={trace_id}" in page.url
