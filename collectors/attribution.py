@@ -26,7 +26,8 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
-    ALLOCATION, CATEGORIES, D_INPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, RELAY,
+    ALLOCATION, CATEGORIES, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
+    PREFILL_LEG, RELAY,
     ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
@@ -38,6 +39,7 @@ from .model import SpanRow
 PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     "push": {
         DECODE_LEG: [FIRST_TOKEN],
+        D_OUTPUT: [FIRST_TOKEN],
         FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(PREFILL, "write")],
@@ -47,15 +49,17 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
         (PREFILL, "rendezvous"): [(PREFILL, "prefill"), (PREFILL, "registration")],
         (PREFILL, "registration"): [(DECODE, "registration")],
         (DECODE, "registration"): [(DECODE, "allocation")],
-        (DECODE, "allocation"): [D_INPUT, ROUTE],
-        D_INPUT: [ROUTE],
+        (DECODE, "allocation"): [D_INPUT, ROUTE, INGRESS],
+        D_INPUT: [ROUTE, INGRESS],
         (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [P_INPUT, ROUTE],
-        P_INPUT: [ROUTE],
+        (PREFILL, "p_queue"): [P_INPUT, ROUTE, INGRESS],
+        P_INPUT: [ROUTE, INGRESS],
         ROUTE: [],
+        INGRESS: [],
     },
     "pull": {
         DECODE_LEG: [FIRST_TOKEN],
+        D_OUTPUT: [FIRST_TOKEN],
         FIRST_TOKEN: [(DECODE, "d_queue")],
         (DECODE, "d_queue"): [(DECODE, "completion")],
         (DECODE, "completion"): [(DECODE, "read")],
@@ -69,14 +73,16 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
         (ROUTER, "registration"): [PREFILL_LEG, (PREFILL, "prefill")],
         PREFILL_LEG: [(PREFILL, "prefill")],
         (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [P_INPUT, ROUTE],
-        P_INPUT: [ROUTE],
+        (PREFILL, "p_queue"): [P_INPUT, ROUTE, INGRESS],
+        P_INPUT: [ROUTE, INGRESS],
         ROUTE: [],
+        INGRESS: [],
     },
 }
 OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
-NOT_BRIDGED = {RELAY}  # derived only where no router relayed: never stands in for the router's registration
-EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL - NOT_BRIDGED for mode, graph in PREDECESSORS.items()}
+DERIVED = {INGRESS, RELAY, D_OUTPUT}  # the collector's, not spans: never expected, never bridged through (the
+# relay never stands in for the router's registration)
+EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL - DERIVED for mode, graph in PREDECESSORS.items()}
 """What a trace served by kvtrace's router, recorded with today's contract, has."""
 _ROUTER_KEYS = frozenset((ROUTER, semconv.STAGE_LABELS[stage]) for stage in semconv.ROUTER_STAGES) | {
     (ROUTER, semconv.STAGE_LABELS[semconv.Stage.REGISTRATION])}
@@ -106,7 +112,8 @@ for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
 _CLIENT_SPAN = semconv.SPAN_CLIENT_REQUEST
 _CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
-_NOT_OUTER = frozenset({_CLIENT_SPAN, "llm_request"})  # the load generator's; vLLM's own, one per engine
+_VLLM_SPAN, _VLLM_TTFT = semconv.VLLM_SPAN_REQUEST, semconv.VLLM_TIME_TO_FIRST_TOKEN
+_NOT_OUTER = frozenset({_CLIENT_SPAN, _VLLM_SPAN})  # the load generator's; vLLM's own, one per engine
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
@@ -140,7 +147,7 @@ class Attributor:
             seen = index.get(key)
             if seen is None:
                 index[key] = span
-            elif seen.origin.instance == origin.instance and key not in ranks:
+            elif (seen.origin.instance == origin.instance or side not in _CONTRACT_SIDES) and key not in ranks:
                 if span.start < seen.start:  # a stage repeated (preemption): its first time counts
                     index[key] = span
             else:  # another process of the side recorded it too (a TP rank): keep each one's first
@@ -191,13 +198,20 @@ class Attributor:
             end = start + int(ttft) if ttft else (first[1] if first else root.end)
         else:
             reference = _GATEWAY_REF if outer is not None else _ENGINE_REF
+            p_first = timings.get(P_INPUT) or timings.get((PREFILL, "p_queue"))
             if outer is not None:
                 start = outer.start + offsets.get(outer.origin.instance, 0)
+                if p_first is not None and p_first[0] > start:  # the gateway routing it, until P had it
+                    timings[INGRESS] = (start, p_first[0], _COORDINATION)
             else:  # P's API server having it, else the earliest of P's stages, else the earliest stage
-                p_first = timings.get(P_INPUT) or timings.get((PREFILL, "p_queue"))
                 start = p_first[0] if p_first else min((t[0] for t in timings.values()),
                                                        default=client.start if client else 0)
             end = first[1] if first else max((t[1] for t in timings.values()), default=start)
+            if first is not None and d_any is not None:  # D's API server has the first token (vLLM's span)
+                out = _first_token_out(spans, offsets.get(d_any.origin.instance, 0))
+                if out > end:
+                    timings[D_OUTPUT] = (end, out, _COORDINATION)
+                    end = out
             if mode == "pull":
                 _add_relay(timings)
         parts, critical, segments = self._walk(timings, PREDECESSORS[mode], start, end)
@@ -238,7 +252,8 @@ class Attributor:
         segments: list[Segment] = []  # collected last to first
         if end <= start:
             return parts, critical, segments
-        node_key = DECODE_LEG if DECODE_LEG in timings else FIRST_TOKEN  # the first token back at the router
+        # the first token back at the router, else out of D's API server, else sampled
+        node_key = DECODE_LEG if DECODE_LEG in timings else D_OUTPUT if D_OUTPUT in timings else FIRST_TOKEN
         if node_key not in timings:  # no first token: start from whatever ended last
             node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
         t = end
@@ -252,7 +267,7 @@ class Attributor:
             for key in preds:  # the predecessor that ended last (the first of equals)
                 candidate = timings.get(key)
                 if candidate is None:  # not in this trace: bridge to what it waits for
-                    if key in NOT_BRIDGED:
+                    if key in DERIVED:
                         continue
                     key = _latest_present(graph, timings, key)
                     if key is None:
@@ -329,15 +344,26 @@ def _latest_present(graph, timings, missing: tuple[str, str]) -> tuple[str, str]
     stack, seen = list(graph.get(missing, ())), {missing}
     while stack:
         key = stack.pop(0)
-        if key in seen or key in NOT_BRIDGED:
+        if key in seen:
             continue
         seen.add(key)
         found = timings.get(key)
         if found is None:
-            stack.extend(graph.get(key, ()))
+            if key not in DERIVED:
+                stack.extend(graph.get(key, ()))
         elif best is None or found[1] > best_end:
             best, best_end = key, found[1]
     return best
+
+
+def _first_token_out(spans: list[SpanRow], d_offset: int) -> int:
+    """When D's API server had the first token, from vLLM's own ``llm_request`` spans (arrival plus its
+    time to first token; D's is the later of P's and D's), on D's clock shifted by ``d_offset``; 0 if none."""
+    out = 0
+    for span in spans:
+        if span.name == _VLLM_SPAN and (ttft := span.attrs.get(_VLLM_TTFT)):
+            out = max(out, span.start + int(float(ttft) * 1e9))
+    return out + d_offset if out else 0
 
 
 def _add_relay(timings: dict[tuple[str, str], tuple[int, int, str]]) -> None:

@@ -28,7 +28,12 @@ READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
 RELAY = (ROUTER, semconv.RELAY_LABEL)
 """Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
 STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
-STAGE_CATEGORY[semconv.RELAY_LABEL] = semconv.Category.COORDINATION.value
+INGRESS = (ROUTER, semconv.INGRESS_LABEL)
+"""Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
+D_OUTPUT = (DECODE, semconv.OUTPUT_LABEL)
+"""Behind another router, with vLLM's tracing on: D's first token on its way out of D's API server (derived)."""
+for _derived in (semconv.INGRESS_LABEL, semconv.RELAY_LABEL, semconv.OUTPUT_LABEL):
+    STAGE_CATEGORY[_derived] = semconv.Category.COORDINATION.value
 """Each contract stage's category; a stage outside the contract counts as coordination."""
 CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2

@@ -37,6 +37,7 @@ import pyarrow as pa
 from kvtrace.telemetry import semconv
 
 from . import runs, schema
+from .breakdown import STAGE_CATEGORY
 from .model import decode, rebuild_request
 from .query_service import QueryRefused, endpoint_file, run_query
 from .wal import read_record
@@ -834,6 +835,39 @@ class StoreReader:
 
 
 _STAGE_RANKS = {label: int(stage) for stage, label in semconv.STAGE_LABELS.items()}
+
+
+_ROLE_SIDES = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
+
+
+def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
+    """Stages that several processes of one side recorded (tensor-parallel ranks: each rank's transfer),
+    one entry per process, on the request's reference clock in ms from its start, with its bytes and a
+    ``lane`` of its own. ``spans``: :meth:`StoreReader.trace_spans`; ``request``: :meth:`StoreReader.trace`'s."""
+    by_stage: dict[tuple[str, str], dict[str, dict]] = {}
+    for span in spans:
+        side = _ROLE_SIDES.get(span["resource"].get(semconv.RES_ROLE))
+        instance = span["resource"].get(semconv.RES_SERVICE_INSTANCE_ID, "")
+        if side is None:
+            continue
+        stage = span["attributes"].get(semconv.ATTR_STAGE, span["name"])
+        first = by_stage.setdefault((side, stage), {}).get(instance)
+        if first is None or span["start_ns"] < first["start_ns"]:
+            by_stage[(side, stage)][instance] = span
+    origin_ns = int(request["started_at"].timestamp() * 1e6) * 1000
+    offsets = request.get("clock_offsets") or {}
+    out = []
+    for (side, stage), by_instance in by_stage.items():
+        if len(by_instance) < 2:
+            continue
+        for rank, (instance, span) in enumerate(sorted(by_instance.items(), key=lambda item: item[1]["start_ns"])):
+            offset = offsets.get(instance, 0)
+            start, end = span["start_ns"] + offset - origin_ns, span["end_ns"] + offset - origin_ns
+            out.append({"side": side, "stage": stage, "rank": rank, "instance": instance,
+                        "lane": f"{side} · {stage} · rank {rank}", "category": STAGE_CATEGORY.get(stage, "coordination"),
+                        "start_ms": start / 1e6, "end_ms": end / 1e6, "duration_ms": (end - start) / 1e6,
+                        "critical_ms": 0.0, "bytes": span["attributes"].get(semconv.ATTR_TRANSFER_BYTES)})
+    return out
 
 
 def _stage_rank(stage: str) -> int:

@@ -9,6 +9,12 @@ body's last key); this middleware, first to see the request, overwrites those 19
 the wall time it arrived. The body keeps its length, nothing is parsed, and only the body's
 last bytes are looked at, so no prompt can forge it; a body that does not end that way (another
 client) passes untouched, and the engine falls back to vLLM's ``arrival_time``.
+
+Behind another router, a request that carries a W3C ``traceparent`` gets the receipt time in its
+``tracestate`` header instead (a ``kvtrace=r<ns>`` entry, leftmost, replacing any the client sent):
+vLLM hands ``traceparent`` and ``tracestate`` to the engine as ``trace_headers`` when its own tracing
+is on — exactly when such a request's trace reaches the engine — so a gateway's trace times P's input
+from the same instant as kvtrace's router's does.
 """
 
 from __future__ import annotations
@@ -21,6 +27,33 @@ from kvtrace.telemetry.semconv import PARAM_RECEIVED, RECEIVED_PLACEHOLDER
 TAIL = f'"{PARAM_RECEIVED}": "{RECEIVED_PLACEHOLDER}"}}}}'.encode()
 """How kvtrace's router ends a leg's body (json.dumps' separators)."""
 _DIGITS = len(RECEIVED_PLACEHOLDER)
+TRACESTATE_KEY = "kvtrace"
+"""The ``tracestate`` entry carrying the receipt time: ``kvtrace=r<wall ns>``."""
+
+
+def with_receipt_in_tracestate(headers: list[tuple[bytes, bytes]], received_ns: int) -> list[tuple[bytes, bytes]]:
+    """ASGI headers with ``kvtrace=r<ns>`` leftmost in ``tracestate``, where a ``traceparent`` is present."""
+    if not any(name == b"traceparent" for name, _ in headers):
+        return headers
+    entries = [f"{TRACESTATE_KEY}=r{received_ns}".encode()]
+    out = []
+    for name, value in headers:
+        if name == b"tracestate":  # keep the others' entries, in order, after ours (W3C: at most 32)
+            entries += [e.strip() for e in value.split(b",")
+                        if e.strip() and not e.strip().startswith(TRACESTATE_KEY.encode() + b"=")]
+        else:
+            out.append((name, value))
+    out.append((b"tracestate", b",".join(entries[:32])))
+    return out
+
+
+def receipt_from_tracestate(tracestate: str | None) -> int:
+    """The receipt time the middleware put in ``tracestate``; 0 if none."""
+    for entry in (tracestate or "").split(","):
+        key, _, value = entry.strip().partition("=")
+        if key == TRACESTATE_KEY and value.startswith("r") and value[1:].isdigit():
+            return int(value[1:])
+    return 0
 
 
 def stamp(body: bytes, received_ns: int) -> bytes:
@@ -48,8 +81,11 @@ class RequestReceipt:
             if message["type"] != "http.request":  # the client went away: let the app see it
                 return await self.app(scope, _replay([message], receive), send)
             chunks.append(message.get("body", b""))
-        body = stamp(b"".join(chunks), received)
-        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+        body = b"".join(chunks)
+        stamped = stamp(body, received)
+        if stamped is body:  # not kvtrace's router's leg: a traced request carries it in tracestate
+            scope = {**scope, "headers": with_receipt_in_tracestate(list(scope.get("headers") or ()), received)}
+        await self.app(scope, _replay([{"type": "http.request", "body": stamped, "more_body": False}], receive), send)
 
 
 def _replay(messages: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:

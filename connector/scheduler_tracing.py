@@ -27,14 +27,18 @@ from kvtrace.telemetry.semconv import FailureCause, Role, Stage
 from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
 
 from .protocol import REG_KEY, WorkerReport, base_request_id
+from .receipt import receipt_from_tracestate
 
 
 def _received_ns(request: Any) -> int:
     """When the request reached this engine's API server, on the wall clock: stamped by kvtrace's
-    middleware (.receipt), else vLLM's own arrival_time (taken later, before tokenising); 0 if neither."""
+    middleware (.receipt) in kvtrace's router's leg, or in the tracestate of a traced request from
+    another router; else vLLM's own arrival_time (taken later, before tokenising); 0 if none."""
     stamped = (request.kv_transfer_params or {}).get(PARAM_RECEIVED)
     if isinstance(stamped, str) and stamped.isdigit() and stamped != RECEIVED_PLACEHOLDER:
         return int(stamped)
+    if request.trace_headers and (received := receipt_from_tracestate(request.trace_headers.get("tracestate"))):
+        return received
     arrival = getattr(request, "arrival_time", None)
     return int(arrival * 1e9) if arrival else 0
 

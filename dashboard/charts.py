@@ -329,20 +329,26 @@ def lane(side: str, stage: str) -> str:
     return f"{_PROCESS.get(side, side)} · {thread}"
 
 
-def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
-    """One bar per stage on its process's lane, coloured by category, on the router's clock (ms from
-    arrival); the critical path is drawn as a dark band over each stage's critical part."""
+_TTFT_ENDS = {"router": ("the router received the request (router's clock)", "first token at the router"),
+              "gateway": ("the gateway received the request (P's clock)", "D's first token"),
+              "engine": ("P's API server had the request (P's clock)", "D's first token")}
+
+
+def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router") -> go.Figure:
+    """One bar per stage on its process's lane (a stage's own ``lane`` where it names one, e.g. a TP
+    rank's), coloured by category, on the reference's clock (ms from arrival); the critical path is
+    drawn as a dark band over each stage's critical part."""
     if not stages:
         return empty("no stages recorded")
     lanes: list[str] = []
     for s in stages:
-        if lane(s["side"], s["stage"]) not in lanes:
-            lanes.append(lane(s["side"], s["stage"]))
+        if _lane(s) not in lanes:
+            lanes.append(_lane(s))
     data = []
     root = [s for s in stages if s["category"] == "root"]
     if root:  # the whole request, client in to last byte out: a thin bar behind its lane
         data.append({"type": "bar", "orientation": "h", "name": "request", "width": 0.12,
-                     "y": [lane(s["side"], s["stage"]) for s in root], "x": [s["duration_ms"] for s in root],
+                     "y": [_lane(s) for s in root], "x": [s["duration_ms"] for s in root],
                      "base": [s["start_ms"] for s in root], "marker": {"color": CATEGORY_COLORS["root"]},
                      "hovertemplate": "request: %{x:.2f} ms long (to the last byte)<extra></extra>"})
     for category in PARTS:
@@ -350,7 +356,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
         if members:
             data.append({
                 "type": "bar", "orientation": "h", "name": category,
-                "y": [lane(s["side"], s["stage"]) for s in members],
+                "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
                 "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1}},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
@@ -363,17 +369,22 @@ def waterfall(stages: Sequence[dict], ttft_ms: float) -> go.Figure:
     if critical:  # the critical part of a stage ends where the stage does (or at the first token)
         ends = [min(s["end_ms"], ttft_ms) for s in critical]
         data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18,
-                     "y": [lane(s["side"], s["stage"]) for s in critical], "x": [s["critical_ms"] for s in critical],
+                     "y": [_lane(s) for s in critical], "x": [s["critical_ms"] for s in critical],
                      "base": [end - s["critical_ms"] for s, end in zip(critical, ends)],
                      "marker": {"color": "#111111"}, "hovertemplate": "critical path: %{x:.2f} ms<extra></extra>"})
+    since, end = _TTFT_ENDS.get(reference, _TTFT_ENDS["router"])
     return _figure(
-        data, x=_axis("ms since the router received the request (router's clock)", rangemode="tozero"),
+        data, x=_axis(f"ms since {since}", rangemode="tozero"),
         y=_axis(None, categoryorder="array", categoryarray=list(reversed(lanes))), height=160 + 48 * len(lanes),
         barmode="overlay",
         shapes=[{"type": "line", "x0": ttft_ms, "x1": ttft_ms, "y0": 0, "y1": 1, "yref": "paper",
                  "line": {"color": "#111", "dash": "dash", "width": 1}}],
         annotations=[{"x": ttft_ms, "y": 0, "yref": "paper", "xanchor": "left", "yanchor": "bottom", "showarrow": False,
-                      "text": f"first token at the router: {ttft_ms:.1f} ms", "font": {"size": 11, "color": "#333"}}])
+                      "text": f"{end}: {ttft_ms:.1f} ms", "font": {"size": 11, "color": "#333"}}])
+
+
+def _lane(stage: dict) -> str:
+    return stage.get("lane") or lane(stage["side"], stage["stage"])
 
 
 # ------------------------------------------------------------------ health

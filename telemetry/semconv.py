@@ -266,6 +266,24 @@ ROUTER_STAGES: Final[frozenset[Stage]] = frozenset(
     stage for stage, spec in STAGES.items() if spec.sides == (Side.ROUTER,))
 """The stages only kvtrace's router records (expected only where it served the request)."""
 
+OUTPUT_LABEL: Final = "output"
+"""A stage the collector derives, not a span: with no kvtrace router in front and vLLM's own tracing on,
+D's first token from ``engine.first_token``'s end to D's API server having it (vLLM's ``llm_request``
+span on D: its start plus ``gen_ai.latency.time_to_first_token``) — the way out through vLLM's output
+processing, where kvtrace's router would see it as its decode leg (coordination). Its side is ``decode``."""
+
+VLLM_SPAN_REQUEST: Final = "llm_request"
+"""vLLM's own span per request and engine (``--otlp-traces-endpoint``), from its arrival to its end."""
+
+VLLM_TIME_TO_FIRST_TOKEN: Final = "gen_ai.latency.time_to_first_token"
+"""On ``llm_request``: seconds from the request's arrival to its first token at the API server (double)."""
+
+INGRESS_LABEL: Final = "ingress"
+"""A stage the collector derives, not a span: behind the user's gateway (the ``gateway`` reference), from
+the gateway span's start to P's API server having the request — the gateway's own routing and the HTTP
+delivery to P, which no span of ours splits (coordination; kvtrace's router splits it into ``pd_route``
+and unattributed delivery). Its side is ``router`` (whatever routes)."""
+
 RELAY_LABEL: Final = "relay"
 """A stage the collector derives, not a span: pull, with no kvtrace router in front, the time from P's
 prefill ending to D's API server having the request — the user's router taking P's answer and sending

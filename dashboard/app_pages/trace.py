@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS
+from kvtrace.collectors.reader import PART_COLUMNS, PARTS, rank_stages
 from kvtrace.dashboard import charts, data, ui
 
 f, options = ui.page("Trace", "One request on the router's clock: each stage on the lane of the process and thread "
@@ -51,9 +51,17 @@ settings = data.settings()
 if settings.apm_url:
     st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")
 
-st.plotly_chart(charts.waterfall(stages, request["ttft_ms"]), key="waterfall")
+ranks = rank_stages(spans, request)  # TP ranks: each one's transfer on a lane of its own
+st.plotly_chart(charts.waterfall(stages + ranks, request["ttft_ms"], reference), key="waterfall")
+if ranks:
+    st.caption("Stages recorded by several processes of one side (tensor-parallel ranks) span from the first "
+               "rank's start to the last one's end: the KV cache has landed when the last rank's transfer has.")
+    st.dataframe([{"stage": f"{r['side']}:{r['stage']}", "rank": r["rank"], "instance": charts._short(r["instance"]),
+                   "start (ms)": r["start_ms"], "duration (ms)": r["duration_ms"], "bytes": r["bytes"]}
+                  for r in ranks], hide_index=True, column_config={
+        c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)")})
 offsets = request["clock_offsets"]
-st.caption("Clock offsets applied to put every process on the router's clock: " + (
+st.caption(f"Clock offsets applied to put every process on {'the router' if reference == 'router' else 'P'}'s clock: " + (
     ", ".join(f"{charts._short(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
     or "none") + ".")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV
-from kvtrace.telemetry.config import KVTRACE_HASH_KEY
+from kvtrace.telemetry.config import KVTRACE_CLOCK_ENDPOINT, KVTRACE_HASH_KEY
 from kvtrace.telemetry.semconv import RES_RUN_ID
 
 from . import model as tiny_model
@@ -92,6 +92,12 @@ class PairConfig:
     hash_key: str | None = None
     """Export request ids keyed-hashed in every process (router flag, engines' kvtrace block), with
     this key in each one's KVTRACE_HASH_KEY."""
+    clock_endpoint: str | None = None
+    """The kvtrace collector's URL for every process's clock exchange, where spans go elsewhere first
+    (an OpenTelemetry Collector in between)."""
+    vllm_tracing: bool = False
+    """Turn vLLM's own tracing on too (``--otlp-traces-endpoint``, to the same endpoint): vLLM then hands
+    the engine the ``traceparent`` a caller sent, and exports its ``llm_request`` spans."""
 
     def kvtrace_block(self) -> dict:
         block: dict[str, Any] = {"enabled": self.tracing, **self.extra_kvtrace}
@@ -104,6 +110,8 @@ class PairConfig:
         if self.otlp_endpoint:
             block["endpoint"] = self.otlp_endpoint
             block.setdefault("protocol", self.otlp_protocol)
+        if self.clock_endpoint:
+            block["clock_endpoint"] = self.clock_endpoint
         return block
 
 
@@ -173,6 +181,8 @@ class LocalPair:
                    "--kv-transfer-config", json.dumps(kv_config)]
         if c.tracing:  # the receipt time of each leg, for the engine's input stage
             command += ["--middleware", "kvtrace.connector.RequestReceipt"]
+        if c.vllm_tracing and c.otlp_endpoint:
+            command += ["--otlp-traces-endpoint", c.otlp_endpoint]
         if not c.prefix_caching:
             command.append("--no-enable-prefix-caching")
         cores = sorted(os.sched_getaffinity(0))
@@ -199,6 +209,8 @@ class LocalPair:
         }
         if role in c.clock_shift:
             env[TEST_CLOCK_SHIFT_ENV] = c.clock_shift[role]
+        if c.vllm_tracing:  # vLLM's exporter reads its protocol from here (gRPC by default)
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = c.kvtrace_block().get("protocol", c.otlp_protocol)
         if c.hash_key:
             env[KVTRACE_HASH_KEY] = c.hash_key
         return command, env, pinned
@@ -240,6 +252,8 @@ class LocalPair:
             env["OTEL_SDK_DISABLED"] = "true"
         if clock_shift:
             env[TEST_CLOCK_SHIFT_ENV] = clock_shift
+        if c.clock_endpoint:
+            env[KVTRACE_CLOCK_ENDPOINT] = c.clock_endpoint
         command = [sys.executable, "-m", "kvtrace", "router", "--mode", c.mode, "--prefill", self.prefill_url,
                    "--decode", self.decode_url, "--port", str(port), "--prefill-engine-id", PREFILL_ENGINE_ID,
                    "--prefill-kv-port", str(self.ports["p_kv"])]

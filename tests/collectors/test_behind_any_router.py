@@ -20,8 +20,9 @@ def _rows(built, extra=()):
 
 
 def _outside_span(built, name: str, service: str, start_ms: float, end_ms: float, span_id: bytes,
-                  parent: bytes = b"") -> ExportTraceServiceRequest:
-    """A span from a service outside the contract (the user's gateway, vLLM's own tracing)."""
+                  parent: bytes = b"", ttft_s: float | None = None) -> ExportTraceServiceRequest:
+    """A span from a service outside the contract (the user's gateway, vLLM's own tracing, with its
+    ``gen_ai.latency.time_to_first_token`` where given)."""
     request = ExportTraceServiceRequest()
     rs = request.resource_spans.add()
     attribute_ = rs.resource.attributes.add()
@@ -31,6 +32,9 @@ def _outside_span(built, name: str, service: str, start_ms: float, end_ms: float
     span.name = name
     span.start_time_unix_nano = 1_790_000_000_000_000_000 + int(start_ms * MS)
     span.end_time_unix_nano = 1_790_000_000_000_000_000 + int(end_ms * MS)
+    if ttft_s is not None:
+        ttft = span.attributes.add()
+        ttft.key, ttft.value.double_value = "gen_ai.latency.time_to_first_token", ttft_s
     return request
 
 
@@ -65,7 +69,8 @@ def test_a_gateway_span_enclosing_both_legs_is_the_reference(mode):
     check_invariants(breakdown)
     assert breakdown.ttft_reference == "gateway" and breakdown.complete
     assert breakdown.ttft_ns == int((end + 0.5) * MS)
-    assert breakdown.parts["unattributed"] == int(2.5 * MS)  # the gateway's own work and HTTP to P
+    # the gateway's own routing and HTTP to P, until P's API server had it (2 ms): no span of ours splits it
+    assert breakdown.critical_ns[("router", "ingress")] == int(2.5 * MS) and breakdown.parts["unattributed"] == 0
     assert breakdown.root_span_id == _root_id(built)  # the forwarded breakdown span goes under it
 
 
@@ -80,6 +85,25 @@ def test_vllms_own_spans_sit_beside_ours_and_count_for_nothing():
     assert both.parts == plain.parts and both.ttft_ns == plain.ttft_ns
     assert both.ttft_reference == "gateway" and both.complete
     assert ("vllm", "llm_request") in both.timings and ("vllm", "llm_request") not in both.critical_ns
+
+
+def test_vllms_time_to_first_token_on_d_ends_the_ttft_where_d_sent_the_token():
+    """With vLLM's own tracing, TTFT ends where D's API server had the first token (arrival + vLLM's
+    time to first token on D's llm_request), as kvtrace's router's decode leg would; the way there
+    from the sampled token is coordination (``decode:output``). P's llm_request (its one token at the
+    prefill's end) is the earlier: D's counts."""
+    built = build("push", drop={"router"})
+    root = _root_id(built)
+    gateway = _outside_span(built, "POST /v1/completions", "my-gateway", -0.5, 200, root)
+    llm_p = _outside_span(built, "llm_request", "vllm", 2, 151, b"\x01" * 8, root, ttft_s=0.1485)
+    llm_d = _outside_span(built, "llm_request", "vllm", 2, 190, b"\x02" * 8, root, ttft_s=0.1675)  # out at 169.5 ms
+    plain = Attributor().attribute(built.trace_id, _rows(built, [gateway]))
+    breakdown = Attributor().attribute(built.trace_id, _rows(built, [gateway, llm_p, llm_d]))
+    check_invariants(breakdown)
+    assert breakdown.ttft_ns == plain.ttft_ns + int(1.5 * MS)  # the first token was sampled at 168 ms
+    assert breakdown.critical_ns[("decode", "output")] == int(1.5 * MS)
+    assert breakdown.parts["coordination"] == plain.parts["coordination"] + int(1.5 * MS)
+    assert breakdown.complete and ("decode", "output") not in breakdown.missing
 
 
 def test_without_any_gateway_span_vllms_own_spans_are_not_the_reference():

@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from kvtrace.connector.receipt import TAIL, RequestReceipt, stamp
+from kvtrace.connector.receipt import TAIL, RequestReceipt, receipt_from_tracestate, stamp
 from kvtrace.router import leg_body
 from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT
 
@@ -50,3 +50,37 @@ def test_other_bodies_and_paths_pass_untouched():
     body = leg_body({"prompt": "x"}, {})
     assert _run(RequestReceipt, body, path="/v1/embeddings") == body
     assert stamp(b"{}", 5) == b"{}"
+
+
+def _headers_seen(headers: list[tuple[bytes, bytes]], body: bytes = b'{"prompt": "x"}') -> dict[bytes, bytes]:
+    seen = {}
+
+    async def inner(scope, receive, send):
+        seen.update(scope["headers"])
+        while (await receive()).get("more_body"):
+            pass
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    asyncio.run(RequestReceipt(inner)({"type": "http", "method": "POST", "path": "/v1/completions",
+                                       "headers": headers}, receive, None))
+    return seen
+
+
+def test_a_traced_request_from_another_router_carries_its_receipt_in_tracestate():
+    parent = (b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    seen = _headers_seen([parent, (b"tracestate", b"kvtrace=r1, vendor=abc,other=1")])
+    entries = seen[b"tracestate"].decode().split(",")
+    assert entries[0].startswith("kvtrace=r") and entries[1:] == ["vendor=abc", "other=1"]  # a forged one replaced
+    received = receipt_from_tracestate(seen[b"tracestate"].decode())
+    assert received > 1_700_000_000 * 10**9 and seen[b"traceparent"] == parent[1]
+    assert _headers_seen([(b"content-type", b"application/json")]) == {b"content-type": b"application/json"}
+    # kvtrace's router's legs keep the receipt in the body: their headers pass untouched
+    assert b"tracestate" not in _headers_seen([parent], leg_body({"prompt": "x"}, {}))
+
+
+def test_receipt_from_tracestate_reads_only_its_own_entry():
+    assert receipt_from_tracestate("a=1,kvtrace=r1790000000000000000") == 1_790_000_000_000_000_000
+    for value in (None, "", "kvtrace=1790", "kvtrace=rx", "other=r1"):
+        assert receipt_from_tracestate(value) == 0

@@ -38,9 +38,11 @@ def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")
     mixed = ([build("push") for _ in range(4)] + [build("push", "kv_first")] + [build("pull") for _ in range(3)]
              + [build("pull", fail="read"), build("push", drop={"decode:completion"})])
+    behind = [build("pull", drop={"router"}), build("push", late_rank_ms=6)]  # another router; TP 2 on P
     return {"empty": _store(root / "empty.duckdb", []),
             "push": _store(root / "push.duckdb", [build("push") for _ in range(3)]),
-            "mixed": _store(root / "mixed.duckdb", mixed), "mixed_traces": mixed}
+            "mixed": _store(root / "mixed.duckdb", mixed), "mixed_traces": mixed,
+            "behind": _store(root / "behind.duckdb", behind), "behind_traces": behind}
 
 
 def _app(monkeypatch, db: str, page: str = "overview", **query) -> AppTest:
@@ -184,3 +186,18 @@ def test_runs_page_without_runs_says_how_to_record_them(monkeypatch, stores):
     at = _app(monkeypatch, stores["push"], "runs")
     assert "kvtrace bench sweep" in at.info[0].value and "has 0 runs" in at.info[0].value
     assert not at.get("plotly_chart")
+
+
+def test_the_trace_page_names_the_ttft_reference_and_draws_each_tp_rank(monkeypatch, stores):
+    no_router, tp2 = stores["behind_traces"]
+    at = _app(monkeypatch, stores["behind"], "trace", trace_id=no_router.trace_id)
+    assert "TTFT (from engine)" in _metrics(at)
+    stages = at.dataframe[1].value
+    assert "relay" in set(stages["stage"])  # P's answer to D's leg, through the other router
+    at = _app(monkeypatch, stores["behind"], "trace", trace_id=tp2.trace_id)
+    assert "TTFT (from router)" in _metrics(at)
+    ranks = at.dataframe[0].value  # the ranks' table comes first, under the waterfall
+    assert list(ranks["rank"]) == [0, 1] and set(ranks["stage"]) == {"prefill:write"}
+    assert list(ranks["duration (ms)"]) == pytest.approx([5.0, 11.0]) and list(ranks["bytes"]) == [2_097_152] * 2
+    lanes = {y for figure in _figures(at) for trace in figure["data"] for y in trace.get("y", [])}
+    assert {"prefill · write · rank 0", "prefill · write · rank 1"} <= lanes

@@ -10,6 +10,7 @@ when the first token reaches a streaming client, within 2 ms at p50.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.reader import PART_COLUMNS, PARTS, Filters, open_store
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ATTRIBUTE, unshift
 from kvtrace.testbed.launch import LocalPair, PairConfig, free_port
+from kvtrace.testbed.peers import Rotel
 from tests.e2e.pair import prompt
 from tests.helpers import wait_until
 
@@ -81,33 +83,43 @@ class StreamingClient:
         self._socket.close()
 
 
-@pytest.fixture(scope="module", params=["push", "pull"])
+@pytest.fixture(scope="module", params=["push", "pull", "push-rotel"])
 def shifted(request, tmp_path_factory):
-    """The pair, a second router and a collector, each in processes of their own, as deployed."""
-    mode = request.param
-    tmp = tmp_path_factory.mktemp(f"clocks-{mode}")
-    db, port = str(tmp / "c.duckdb"), free_port()
+    """The pair, a second router and a collector, each in processes of their own, as deployed; with
+    ``-rotel``, spans reach the collector through rotel (a real OpenTelemetry collector, which knows
+    no clock exchange), and every process sends its exchanges to kvtrace's collector itself
+    (``clock_endpoint``)."""
+    mode, _, via = request.param.partition("-")
+    tmp = tmp_path_factory.mktemp(f"clocks-{request.param}")
+    db, port, grpc_port = str(tmp / "c.duckdb"), free_port(), free_port()
     log = open(tmp / "collector.log", "wb")
-    collector = subprocess.Popen([sys.executable, "-m", "kvtrace", "collector", "--db", db, "--grpc-port", "-1",
-                                  "--http-port", str(port), "--decision-wait", "1.0"], stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+    collector = subprocess.Popen([sys.executable, "-m", "kvtrace", "collector", "--db", db, "--grpc-port",
+                                  str(grpc_port) if via else "-1", "--http-port", str(port), "--decision-wait", "1.0"],
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     calls, clients = [], {}
+    collector_url = f"http://127.0.0.1:{port}/v1/traces"
     try:
-        assert wait_until(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 30)
-        with LocalPair(PairConfig(mode=mode, otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces", clock_shift=SHIFTS,
-                                  log_dir=tmp / "pair")) as pair:
-            second = pair.add_router(clock_shift=SECOND_ROUTER)
-            time.sleep(3)  # a few clock exchanges from every process before the first request
-            for i in range(12):
-                router = second if i % 3 == 2 else pair.router_url
-                request_id = f"clk-{mode}-{i}"
-                client = clients.get(router) or clients.setdefault(router, StreamingClient(router))
-                calls.append((request_id, router, *client.complete(request_id, prompt(300 + i, (40, 400, 900)[i % 3]))))
-            reader = open_store(db)
-            assert wait_until(lambda: reader.kpis(Filters())["requests"] - reader.kpis(Filters())["incomplete"]
-                              == len(calls), 60), reader.kpis(Filters())
-            time.sleep(2)  # P's releases, decided late, settle
-        yield {"mode": mode, "reader": reader, "calls": calls, "second": second}
+        with contextlib.ExitStack() as peers:
+            endpoint = {"otlp_endpoint": collector_url}
+            if via:
+                rotel = peers.enter_context(Rotel(export_to=f"http://127.0.0.1:{grpc_port}"))
+                endpoint = {"otlp_endpoint": f"http://127.0.0.1:{rotel.http_port}/v1/traces",
+                            "clock_endpoint": collector_url}
+            assert wait_until(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 30)
+            with LocalPair(PairConfig(mode=mode, **endpoint, clock_shift=SHIFTS, log_dir=tmp / "pair")) as pair:
+                second = pair.add_router(clock_shift=SECOND_ROUTER)
+                time.sleep(3)  # a few clock exchanges from every process before the first request
+                for i in range(12):
+                    router = second if i % 3 == 2 else pair.router_url
+                    request_id = f"clk-{mode}-{i}"
+                    client = clients.get(router) or clients.setdefault(router, StreamingClient(router))
+                    calls.append((request_id, router,
+                                  *client.complete(request_id, prompt(300 + i, (40, 400, 900)[i % 3]))))
+                reader = open_store(db)
+                assert wait_until(lambda: reader.kpis(Filters())["requests"] - reader.kpis(Filters())["incomplete"]
+                                  == len(calls), 60), reader.kpis(Filters())
+                time.sleep(2)  # P's releases, decided late, settle
+        yield {"mode": request.param, "reader": reader, "calls": calls, "second": second}
     finally:
         for client in clients.values():
             client.close()
@@ -171,6 +183,7 @@ def test_each_request_splits_the_same_as_on_true_clocks(shifted):
             if role == "router":
                 continue
             true_offset = _exported(at, router_shift) - _exported(at, shift)
+            assert instance in bounds, f"{instance} ({role}): its offset was inferred, not measured"
             errors.append((abs(offsets[instance] - true_offset), role, bounds[instance]))
             assert abs(offsets[instance] - true_offset) <= bounds[instance], (instance, offsets[instance],
                                                                              true_offset, bounds[instance])
