@@ -11,9 +11,10 @@ time on the way); see :mod:`kvtrace.collectors.clocks`.
 
 The exchange goes to the same collector as the spans: ``POST /v1/kvtrace/clock`` beside
 ``/v1/traces`` (OTLP/HTTP), or ``/kvtrace.v1.Clock/Exchange`` on the OTLP/gRPC port, with the
-exporter's headers. A collector that does not know it (another OTLP collector in between)
-answers 404 / UNIMPLEMENTED: the exchange stops after logging once, and the collector falls
-back to inferring offsets from causally ordered spans.
+exporter's headers — or, where spans pass another OTLP collector first (which cannot carry it), to
+``clock_endpoint`` (``KVTRACE_CLOCK_ENDPOINT``): kvtrace's collector itself. A collector that does
+not know it answers 404 / UNIMPLEMENTED: the exchange stops after logging once, and the collector
+falls back to inferring offsets from causally ordered spans.
 
 The clock read is the recorder's own (``Recorder.wall_ns``): the one the spans carry, test-only
 shift included (:data:`TEST_CLOCK_SHIFT_ENV`).
@@ -149,7 +150,8 @@ class ClockSync:
                 return self._call(payload, timeout=self._timeout, metadata=[(k.lower(), v) for k, v in metadata])
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    self._give_up("the collector does not answer clock exchanges (not a kvtrace collector?)")
+                    self._give_up("the collector does not answer clock exchanges (not a kvtrace collector? set "
+                                  "clock_endpoint / KVTRACE_CLOCK_ENDPOINT to kvtrace's collector)")
                     return None
                 raise
         if self._connection is None:
@@ -164,7 +166,8 @@ class ClockSync:
             self._connection = None
             raise
         if response.status in (404, 405, 415):
-            self._give_up(f"the collector answered HTTP {response.status} (not a kvtrace collector?)")
+            self._give_up(f"the collector answered HTTP {response.status} (not a kvtrace collector? set "
+                          f"clock_endpoint / KVTRACE_CLOCK_ENDPOINT to kvtrace's collector)")
             return None
         if response.status != 200:
             raise OSError(f"HTTP {response.status}")

@@ -39,10 +39,12 @@ def stores(tmp_path_factory):
     mixed = ([build("push") for _ in range(4)] + [build("push", "kv_first")] + [build("pull") for _ in range(3)]
              + [build("pull", fail="read"), build("push", drop={"decode:completion"})])
     behind = [build("pull", drop={"router"}), build("push", late_rank_ms=6)]  # another router; TP 2 on P
+    older = [build("push", contract=1), build("push", "kv_first", contract=1), build("pull", contract=1)]
     return {"empty": _store(root / "empty.duckdb", []),
             "push": _store(root / "push.duckdb", [build("push") for _ in range(3)]),
             "mixed": _store(root / "mixed.duckdb", mixed), "mixed_traces": mixed,
-            "behind": _store(root / "behind.duckdb", behind), "behind_traces": behind}
+            "behind": _store(root / "behind.duckdb", behind), "behind_traces": behind,
+            "older": _store(root / "older.duckdb", older)}
 
 
 def _app(monkeypatch, db: str, page: str = "overview", **query) -> AppTest:
@@ -201,3 +203,13 @@ def test_the_trace_page_names_the_ttft_reference_and_draws_each_tp_rank(monkeypa
     assert list(ranks["duration (ms)"]) == pytest.approx([5.0, 11.0]) and list(ranks["bytes"]) == [2_097_152] * 2
     lanes = {y for figure in _figures(at) for trace in figure["data"] for y in trace.get("y", [])}
     assert {"prefill · write · rank 0", "prefill · write · rank 1"} <= lanes
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_traces_of_an_older_contract_appear_on_every_page(monkeypatch, stores, page):
+    """Senders from before engine.input (contract 1): their traces are complete for what they carry, so
+    the pages that count only complete requests show them."""
+    assert open_store(stores["older"]).kpis(Filters())["incomplete"] == 0
+    at = _app(monkeypatch, stores["older"], page)
+    shown = [json.dumps(figure) for figure in _figures(at)]
+    assert shown and not any("no complete requests" in figure for figure in shown), page

@@ -100,3 +100,18 @@ def test_keys_owned_by_the_connector_pass_through():
     config = TelemetryConfig.load({"nixl_progress_delay_us": 1000}, {},
                                   known_elsewhere={"nixl_progress_delay_us"})
     assert config.enabled
+
+
+def test_the_clock_exchange_goes_to_its_own_endpoint_where_one_is_set():
+    plain = TelemetryConfig.load({"endpoint": "http://otel-agent:4318/v1/traces", "protocol": "http/protobuf"}, {})
+    assert plain.clock_target == ("http://otel-agent:4318/v1/traces", "http/protobuf")  # beside the spans
+    config = TelemetryConfig.load({"endpoint": "http://otel-agent:4318/v1/traces", "protocol": "http/protobuf"},
+                                  {"KVTRACE_CLOCK_ENDPOINT": "http://kvtrace:4317", "KVTRACE_CLOCK_PROTOCOL": "grpc"})
+    assert config.clock_target == ("http://kvtrace:4317", "grpc")
+    block = TelemetryConfig.load({"endpoint": "http://a:1/v1/traces", "clock_endpoint": "http://b:2/v1/traces"},
+                                 {"KVTRACE_CLOCK_ENDPOINT": "http://c:3"})
+    assert block.clock_target == ("http://b:2/v1/traces", "grpc")  # the block wins; the traces' protocol
+    with pytest.raises(ConfigError, match="KVTRACE_CLOCK_ENDPOINT"):
+        TelemetryConfig.load({}, {"KVTRACE_CLOCK_ENDPOINT": "kvtrace:4317"})
+    with pytest.raises(ConfigError, match="clock_protocol"):
+        TelemetryConfig.load({"clock_protocol": "http/json"}, {})
