@@ -163,15 +163,17 @@ class Attributor:
                 error = True
             if not mode:
                 mode = origin.mode
-            if side in _CONTRACT_SIDES:
+            if side == PREFILL:
+                p_any = p_any or span
+            elif side == DECODE:
+                d_any = d_any or span
+        for span in first_of.values():  # per process, not per span: a process records one version
+            origin = span.origin
+            if origin.side in _CONTRACT_SIDES:
                 if origin.contract:
                     contract = min(contract, origin.contract) if contract else origin.contract
                 else:
                     undeclared = True
-                if side == PREFILL:
-                    p_any = p_any or span
-                elif side == DECODE:
-                    d_any = d_any or span
         root = index.get(ROOT)
         if root is None and p_any is None and d_any is None and client is None:
             return None  # no kvtrace span (vLLM's own tracing, a gateway alone): not a request
