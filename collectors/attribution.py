@@ -16,8 +16,9 @@ sender does not record) is bridged: the walk goes on to what that stage would ha
 A stage recorded by several processes of one side (tensor-parallel ranks) runs from the first
 one's start to the last one's end: the KV cache has landed when the last rank's transfer has.
 
-Spans from other processes are first put on the trace's router's clock (:mod:`.clocks`: measured
-offsets with an error bound, or offsets inferred from the order of the trace's spans).
+Spans from other processes are first put on the trace's router's clock, or P's where no kvtrace
+router served it (:mod:`.clocks`: measured offsets with an error bound, or offsets inferred from
+the order of the trace's spans).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
     ALLOCATION, CATEGORIES, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
-    PREFILL_LEG, RELAY,
-    ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
+    PREFILL_LEG, RELAY, ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .model import SpanRow

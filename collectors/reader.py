@@ -38,7 +38,7 @@ from kvtrace.telemetry import semconv
 
 from . import runs, schema
 from .breakdown import STAGE_CATEGORY
-from .model import decode, rebuild_request
+from .model import SIDE_OF_ROLE, decode, rebuild_request
 from .query_service import QueryRefused, endpoint_file, run_query
 from .wal import read_record
 
@@ -837,16 +837,13 @@ class StoreReader:
 _STAGE_RANKS = {label: int(stage) for stage, label in semconv.STAGE_LABELS.items()}
 
 
-_ROLE_SIDES = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
-
-
 def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
     """Stages that several processes of one side recorded (tensor-parallel ranks: each rank's transfer),
-    one entry per process, on the request's reference clock in ms from its start, with its bytes and a
-    ``lane`` of its own. ``spans``: :meth:`StoreReader.trace_spans`; ``request``: :meth:`StoreReader.trace`'s."""
+    one entry per process (its ``kvtrace.tp_rank``, else its place in order of start), on the request's
+    reference clock in ms from its start, with its bytes and a ``lane`` of its own. ``spans``: :meth:`StoreReader.trace_spans`; ``request``: :meth:`StoreReader.trace`'s."""
     by_stage: dict[tuple[str, str], dict[str, dict]] = {}
     for span in spans:
-        side = _ROLE_SIDES.get(span["resource"].get(semconv.RES_ROLE))
+        side = SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE))
         instance = span["resource"].get(semconv.RES_SERVICE_INSTANCE_ID, "")
         if side is None:
             continue
@@ -860,7 +857,8 @@ def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
     for (side, stage), by_instance in by_stage.items():
         if len(by_instance) < 2:
             continue
-        for rank, (instance, span) in enumerate(sorted(by_instance.items(), key=lambda item: item[1]["start_ns"])):
+        for order, (instance, span) in enumerate(sorted(by_instance.items(), key=lambda item: item[1]["start_ns"])):
+            rank = span["resource"].get(semconv.RES_TP_RANK, order)  # the worker's own rank, else its order
             offset = offsets.get(instance, 0)
             start, end = span["start_ns"] + offset - origin_ns, span["end_ns"] + offset - origin_ns
             out.append({"side": side, "stage": stage, "rank": rank, "instance": instance,

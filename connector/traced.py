@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as VllmNixlPushConnector,
 )
 
-from kvtrace.telemetry import Mode, Role, configure, sampler
+from kvtrace.telemetry import Mode, Role, configure, sampler, semconv
 from kvtrace.telemetry.metrics import FanOut, PendingStats, multiprocess_mode, process_metrics
 
 from .compat import check_vllm_version
@@ -75,8 +75,11 @@ class _Traced:
             logger.info("kvtrace: telemetry disabled; %s runs untraced", name)
             return
         engine_role = _role(kv_config.kv_role)
+        resource = options.resource_attributes()
+        if self.connector_worker is not None:  # each TP rank is a process of its own (rank 0 may share the core's)
+            resource[semconv.RES_TP_RANK] = getattr(self.connector_worker, "tp_rank", 0)
         recorder = configure(telemetry_config, engine_role, self._kvtrace_mode,
-                             engine_id=self.engine_id, extra_resource=options.resource_attributes(),
+                             engine_id=self.engine_id, extra_resource=resource,
                              metrics=connector_metrics(telemetry_config, self._kvtrace_mode.value, engine_role.value))
         if self.connector_scheduler is not None:
             trace_key = (telemetry_config.hash_key or "").encode() if telemetry_config.hash_request_ids else b""

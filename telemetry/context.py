@@ -117,11 +117,6 @@ class Sampler:
             return parent.sampled
         return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < self._bound
 
-    def start(self, parent: TraceRef | None = None) -> TraceRef:
-        """A reference for a new root-or-child span, honouring the parent's trace if any."""
-        trace_id = parent.trace_id if parent is not None else new_trace_id()
-        return TraceRef(trace_id, new_span_id(), self.should_sample(trace_id, parent))
-
 
 def sdk_sampler(name: str = "parentbased_always_on", ratio: float = 1.0):
     """The OpenTelemetry SDK's sampler for an ``OTEL_TRACES_SAMPLER`` name (the router's)."""

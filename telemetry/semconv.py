@@ -598,6 +598,9 @@ RES_HARDWARE: Final = "kvtrace.hardware"
 """What the process runs on, in a few words: the GPUs torch sees (``1x NVIDIA H200``) or the CPU
 model and the cores it may use (``cpu: Intel(R) Xeon(R) ... x2``); run records show it."""
 
+RES_TP_RANK: Final = "kvtrace.tp_rank"
+"""The tensor-parallel rank of a worker process (its transfers are that rank's share of the KV cache)."""
+
 RES_CONTRACT_VERSION: Final = "kvtrace.contract.version"
 """The :data:`CONTRACT_VERSION` the process records (a string of digits)."""
 

@@ -79,6 +79,7 @@ def test_pull_read_on_the_engine_loop(pull_consumer, spans):
     assert prep.end_time <= read.start_time <= read.end_time
     for span in (prep, read):
         assert span.context.trace_id == TRACE.trace_id and span.attributes["kvtrace.request_id"] == "cmpl-pull1-0"
+        assert span.resource.attributes["kvtrace.tp_rank"] == 0  # each rank's transfer says whose it is
     # the scheduler learns when the READ landed, when the worker began preparing it, and the loop time
     assert report is not None and D_ID in report.ready_ns and D_ID in report.prepped_ns and report.loop_ns[D_ID] > 0
     assert report.prepped_ns[D_ID] <= report.ready_ns[D_ID]

@@ -34,10 +34,9 @@ def test_ratio_sampler_is_deterministic_and_roughly_right():
 def test_parent_based_follows_the_parent():
     sampler = Sampler("parentbased_always_off")
     parent = TraceRef(new_trace_id(), 1, True)
-    child = sampler.start(parent)
-    assert child.sampled and child.trace_id == parent.trace_id and child.span_id != parent.span_id
-    assert sampler.start(None).sampled is False
-    assert Sampler("always_off").start(parent).sampled is False
+    assert sampler.should_sample(parent.trace_id, parent) is True
+    assert sampler.should_sample(new_trace_id()) is False
+    assert Sampler("always_off").should_sample(parent.trace_id, parent) is False
 
 
 # --------------------------------------------------------------------------------------
