@@ -114,6 +114,7 @@ _CLIENT_SPAN = semconv.SPAN_CLIENT_REQUEST
 _CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
 _VLLM_SPAN, _VLLM_TTFT = semconv.VLLM_SPAN_REQUEST, semconv.VLLM_TIME_TO_FIRST_TOKEN
 _NOT_OUTER = frozenset({_CLIENT_SPAN, _VLLM_SPAN})  # the load generator's; vLLM's own, one per engine
+_GATEWAY_REQUEST, _ROOT_CATEGORY = semconv.GATEWAY_REQUEST_LABEL, Category.ROOT.value
 _CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
@@ -201,8 +202,11 @@ class Attributor:
         else:
             reference = _GATEWAY_REF if outer is not None else _ENGINE_REF
             p_first = timings.get(P_INPUT) or timings.get((PREFILL, "p_queue"))
-            if outer is not None:
+            if outer is not None:  # the gateway's span: the request as it saw it, under a name of its own
                 start = outer.start + offsets.get(outer.origin.instance, 0)
+                outer_key = (outer.origin.side, outer.stage)
+                if index.get(outer_key) is outer:
+                    timings[(outer.origin.side, _GATEWAY_REQUEST)] = timings.pop(outer_key)[:2] + (_ROOT_CATEGORY,)
                 if p_first is not None and p_first[0] > start:  # the gateway routing it, until P had it
                     timings[INGRESS] = (start, p_first[0], _COORDINATION)
             else:  # P's API server having it, else the earliest of P's stages, else the earliest stage

@@ -32,8 +32,10 @@ INGRESS = (ROUTER, semconv.INGRESS_LABEL)
 """Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
 D_OUTPUT = (DECODE, semconv.OUTPUT_LABEL)
 """Behind another router, with vLLM's tracing on: D's first token on its way out of D's API server (derived)."""
-for _derived in (semconv.INGRESS_LABEL, semconv.RELAY_LABEL, semconv.OUTPUT_LABEL):
+for _derived in semconv.DERIVED_STAGE_LABELS:
     STAGE_CATEGORY[_derived] = semconv.Category.COORDINATION.value
+# Spans that enclose the request (the gateway's, vLLM's own per engine) are drawn like pd.request
+STAGE_CATEGORY[semconv.GATEWAY_REQUEST_LABEL] = STAGE_CATEGORY[semconv.VLLM_SPAN_REQUEST] = semconv.Category.ROOT.value
 """Each contract stage's category; a stage outside the contract counts as coordination."""
 CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2

@@ -321,11 +321,12 @@ _PROCESS = {"router": "router", "prefill": "P", "decode": "D"}
 
 
 def lane(side: str, stage: str) -> str:
-    """Which process and thread a stage is drawn on (the contract's ``RECORDED_ON``)."""
+    """Which process and thread a stage is drawn on (the contract's ``RECORDED_ON``; the stages the
+    collector names between spans on a lane of their own)."""
     try:
         thread = semconv.RECORDED_ON[(semconv.Side(side), _STAGE_OF_LABEL[stage])]
     except (ValueError, KeyError):
-        thread = "other"
+        thread = "between spans" if stage in semconv.DERIVED_STAGE_LABELS else "other"
     return f"{_PROCESS.get(side, side)} · {thread}"
 
 

@@ -30,7 +30,7 @@ def _doc_of(name: str) -> str:
 
 
 def _markdown(docstring: str) -> str:
-    return docstring.replace(":class:`", "`").replace("``", "`")
+    return docstring.replace(":class:`", "`").replace(":data:`", "`").replace("``", "`")
 
 
 def _read_on(key: str, prefix: str) -> str:
@@ -96,7 +96,9 @@ def render() -> str:
         sides = ", ".join(f"{s.value} ({semconv.RECORDED_ON[(s, stage)]})" for s in spec.sides)
         lines.append(f"| {stage.value} | `{stage.name.lower()}` | `{spec.span_name}` | "
                      f"{spec.category.value} | {sides} | {spec.start} | {spec.end} |")
-    lines += ["", f"`{semconv.RELAY_LABEL}` (router, coordination): {_markdown(_doc_of('RELAY_LABEL'))}"]
+    lines += ["", "Stages the collector names itself, with no span of their own:", ""]
+    lines += [f"- `{getattr(semconv, name)}`: {_markdown(_doc_of(name))}"
+              for name in ("INGRESS_LABEL", "RELAY_LABEL", "OUTPUT_LABEL", "GATEWAY_REQUEST_LABEL")]
     lines += ["", "## Categories", "", "| category | meaning |", "|---|---|"]
     lines += [f"| `{c.value}` | {semconv.CATEGORY_MEANINGS[c]} |" for c in semconv.Category]
     lines += _reference_section()

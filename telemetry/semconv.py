@@ -284,10 +284,17 @@ the gateway span's start to P's API server having the request — the gateway's 
 delivery to P, which no span of ours splits (coordination; kvtrace's router splits it into ``pd_route``
 and unattributed delivery). Its side is ``router`` (whatever routes)."""
 
+GATEWAY_REQUEST_LABEL: Final = "gateway_request"
+"""The stage label the collector gives the user's gateway span that is a trace's TTFT reference (its side
+is the gateway's service): the request as the gateway saw it, category ``root`` like ``pd.request``."""
+
 RELAY_LABEL: Final = "relay"
 """A stage the collector derives, not a span: pull, with no kvtrace router in front, the time from P's
 prefill ending to D's API server having the request — the user's router taking P's answer and sending
 D its leg (coordination). Its side is ``router`` (whatever routes)."""
+
+DERIVED_STAGE_LABELS: Final = (INGRESS_LABEL, RELAY_LABEL, OUTPUT_LABEL)
+"""The stages the collector names between spans (coordination), where no kvtrace router splits the time."""
 
 STAGE_ORDER: Final[tuple[Stage, ...]] = tuple(sorted(Stage))
 """Stages in the order a request meets them (handshake, when it happens, sits before prep)."""

@@ -5,7 +5,8 @@ import streamlit as st
 from kvtrace.collectors.reader import PART_COLUMNS, PARTS, rank_stages
 from kvtrace.dashboard import charts, data, ui
 
-f, options = ui.page("Trace", "One request on the router's clock: each stage on the lane of the process and thread "
+f, options = ui.page("Trace", "One request on the router's clock (P's, behind another router): each stage on the lane "
+                     "of the process and thread "
                      "that timed it, the critical path in black, and its TTFT split into parts that add up.")
 
 slowest = data.ask("slowest", f, 20).to_pylist()

@@ -72,6 +72,9 @@ def test_a_gateway_span_enclosing_both_legs_is_the_reference(mode):
     # the gateway's own routing and HTTP to P, until P's API server had it (2 ms): no span of ours splits it
     assert breakdown.critical_ns[("router", "ingress")] == int(2.5 * MS) and breakdown.parts["unattributed"] == 0
     assert breakdown.root_span_id == _root_id(built)  # the forwarded breakdown span goes under it
+    # drawn as the request the gateway saw (a thin bar like pd.request), not as a coordination stage
+    assert breakdown.timings[("my-gateway", "gateway_request")][2] == "root"
+    assert ("my-gateway", "POST /v1/completions") not in breakdown.timings
 
 
 def test_vllms_own_spans_sit_beside_ours_and_count_for_nothing():
