@@ -27,7 +27,7 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
-    ALLOCATION, CATEGORIES, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
+    ALLOCATION, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
     PREFILL_LEG, RELAY, ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
@@ -115,7 +115,6 @@ _CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
 _VLLM_SPAN, _VLLM_TTFT = semconv.VLLM_SPAN_REQUEST, semconv.VLLM_TIME_TO_FIRST_TOKEN
 _NOT_OUTER = frozenset({_CLIENT_SPAN, _VLLM_SPAN})  # the load generator's; vLLM's own, one per engine
 _GATEWAY_REQUEST, _ROOT_CATEGORY = semconv.GATEWAY_REQUEST_LABEL, Category.ROOT.value
-_CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
 
@@ -253,7 +252,7 @@ class Attributor:
               end: int) -> tuple[dict[str, int], dict[tuple[str, str], int], list[Segment]]:
         """(time per category, time per stage, the segments first to last) on the critical path
         from ``end`` back to ``start``."""
-        parts = dict.fromkeys(_CATEGORY_NAMES, 0)
+        parts = dict.fromkeys(semconv.CATEGORY_NAMES, 0)
         critical: dict[tuple[str, str], int] = {}
         segments: list[Segment] = []  # collected last to first
         if end <= start:

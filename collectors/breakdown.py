@@ -37,7 +37,6 @@ for _derived in semconv.DERIVED_STAGE_LABELS:
 # Spans that enclose the request (the gateway's, vLLM's own per engine) are drawn like pd.request
 STAGE_CATEGORY[semconv.GATEWAY_REQUEST_LABEL] = STAGE_CATEGORY[semconv.VLLM_SPAN_REQUEST] = semconv.Category.ROOT.value
 """Each contract stage's category; a stage outside the contract counts as coordination."""
-CATEGORIES = semconv.BREAKDOWN_CATEGORIES
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2
 """The stage key of a critical-path segment no span covers."""
 Segment = tuple[tuple[str, str], int, int]

@@ -20,7 +20,7 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
 from .breakdown import GAP, Breakdown
-from .model import _field, _varint
+from .wire import field, varint
 
 _MS = 1e6
 _KIND_INTERNAL = 1
@@ -29,7 +29,7 @@ _DOUBLE = struct.Struct("<d")
 _FIXED64 = struct.Struct("<Q")
 _PARTS = tuple((c.value, semconv.BREAKDOWN_PART_MS[c], semconv.BREAKDOWN_PART_SHARE[c])
                for c in semconv.BREAKDOWN_CATEGORIES)
-_ERROR_STATUS = _field(15, _field(2, b"a span of the trace ended in error") + b"\x18" + _varint(_STATUS_ERROR))
+_ERROR_STATUS = field(15, field(2, b"a span of the trace ended in error") + b"\x18" + varint(_STATUS_ERROR))
 _PREFIXES: dict[tuple[str, int], bytes] = {}
 _KEY_FIELDS: dict[str, bytes] = {}
 
@@ -38,7 +38,7 @@ def _key_field(key: str) -> bytes:
     """``KeyValue.key``, encoded once per key."""
     encoded = _KEY_FIELDS.get(key)
     if encoded is None:
-        encoded = _KEY_FIELDS[key] = _field(1, key.encode())
+        encoded = _KEY_FIELDS[key] = field(1, key.encode())
     return encoded
 
 
@@ -49,8 +49,8 @@ def _prefix(key: str, value_bytes: int) -> bytes:
     if prefix is None:
         key_field = _key_field(key)
         entry_length = len(key_field) + 2 + value_bytes  # + value's tag and length (< 128)
-        prefix = _PREFIXES[key, value_bytes] = (b"\x4a" + _varint(entry_length) + key_field + b"\x12"
-                                                + _varint(value_bytes))
+        prefix = _PREFIXES[key, value_bytes] = (b"\x4a" + varint(entry_length) + key_field + b"\x12"
+                                                + varint(value_bytes))
     return prefix
 
 
@@ -63,7 +63,7 @@ def _bool(key: str, value: bool) -> bytes:
 
 
 def _int(key: str, value: int) -> bytes:
-    encoded = _varint(value & 0xFFFF_FFFF_FFFF_FFFF)  # int64, two's complement
+    encoded = varint(value & 0xFFFF_FFFF_FFFF_FFFF)  # int64, two's complement
     return _prefix(key, 1 + len(encoded)) + b"\x18" + encoded
 
 
@@ -82,9 +82,9 @@ _STRINGS: dict[tuple[str, str], bytes] = {}
 
 def _string(key: str, value: str) -> bytes:
     encoded = value.encode()
-    any_value = b"\x0a" + _varint(len(encoded)) + encoded
-    body = _key_field(key) + b"\x12" + _varint(len(any_value)) + any_value
-    return b"\x4a" + _varint(len(body)) + body
+    any_value = b"\x0a" + varint(len(encoded)) + encoded
+    body = _key_field(key) + b"\x12" + varint(len(any_value)) + any_value
+    return b"\x4a" + varint(len(body)) + body
 
 
 # TTFT and its parts (ms and share) are always the first eleven attributes: one pack for all.
@@ -102,11 +102,11 @@ def _span(trace_id: bytes, span_id: bytes, parent: bytes, name: str, start: int,
     """One ``ScopeSpans.spans`` entry: ids, name, kind INTERNAL, times, attributes, status."""
     name_field = _NAMES.get(name)
     if name_field is None:
-        name_field = _NAMES[name] = _field(5, name.encode())
+        name_field = _NAMES[name] = field(5, name.encode())
     body = b"".join((b"\x0a\x10", trace_id, b"\x12\x08", span_id, b"\x22\x08" + parent if parent else b"",
                      name_field, _SPAN_TIMES.pack(0x30, _KIND_INTERNAL, 0x39, start, 0x41, end),
                      attributes, status))
-    return b"\x12" + _varint(len(body)) + body
+    return b"\x12" + varint(len(body)) + body
 
 
 _GOLDEN = 0x9E37_79B9_7F4A_7C15  # spreads small numbers over 64 bits
@@ -140,12 +140,12 @@ class BreakdownSpans:
     def __init__(self, *, segments: bool = False, version: str = "") -> None:
         self.segments = segments
         instance = f"{socket.gethostname()}-{os.getpid()}-kvtrace-collector"
-        self._resource = _field(1, b"".join(  # ResourceSpans.resource: its attributes are field 1
-            _field(1, _field(1, key.encode()) + _field(2, _field(1, value.encode())))
+        self._resource = field(1, b"".join(  # ResourceSpans.resource: its attributes are field 1
+            field(1, field(1, key.encode()) + field(2, field(1, value.encode())))
             for key, value in ((semconv.RES_SERVICE_NAME, "kvtrace-collector"),
                                (semconv.RES_SERVICE_INSTANCE_ID, instance))))
-        scope = _field(1, b"kvtrace.collector") + (_field(2, version.encode()) if version else b"")
-        self._scope = _field(1, scope)
+        scope = field(1, b"kvtrace.collector") + (field(2, version.encode()) if version else b"")
+        self._scope = field(1, scope)
 
     def encode(self, trace_id: bytes, b: Breakdown, revision: int) -> tuple[bytes, int]:
         """(the trace's breakdown span and, with ``segments``, its critical-path spans, as
@@ -203,4 +203,4 @@ class BreakdownSpans:
     def request(self, spans: bytes) -> bytes:
         """The encoded spans as one ``ExportTraceServiceRequest.resource_spans`` entry: appended to
         an export request's bytes, they join it (a repeated field's entries just follow each other)."""
-        return _field(1, self._resource + _field(2, self._scope + spans))
+        return field(1, self._resource + field(2, self._scope + spans))

@@ -21,7 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .breakdown import CATEGORIES, Breakdown
+from kvtrace.telemetry import semconv
+
+from .breakdown import Breakdown
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PART_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -74,11 +76,10 @@ class CollectorMetrics:
         if breakdown.ttft_ns > 0:
             mode = breakdown.mode
             self._ttft.observe((mode,), breakdown.ttft_ns / 1e9)
-            for category in _CATEGORY_NAMES:
+            for category in semconv.CATEGORY_NAMES:
                 self._parts.observe((mode, category), breakdown.parts.get(category, 0) / 1e9)
 
 
-_CATEGORY_NAMES = tuple(c.value for c in CATEGORIES)
 
 
 class _Histogram:

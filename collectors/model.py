@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -32,6 +33,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from kvtrace.telemetry import semconv
+
+from .wire import field
 
 try:
     from . import _otlp
@@ -48,7 +51,7 @@ MIN_TIME_NS = 946_684_800 * 10**9
 FUTURE_SLACK_NS = 86_400 * 10**9
 _NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
 
-SIDE_OF_ROLE = {role.value: side.value for role, side in semconv.ROLE_SIDES.items()}
+SIDE_OF_ROLE = semconv.SIDE_OF_ROLE
 """``kvtrace.role`` -> side; an instance with another role is its own side, named by its service."""
 # Per side, span name -> stage: the contract's spans. A side outside it has none.
 _STAGES_OF_SIDE: dict[str, dict[str, str]] = {}
@@ -284,6 +287,25 @@ def _problem(span: Any, latest: int) -> str:
     return f"span {span.name!r}: ends before it starts"
 
 
+def spans_at(locations: Iterable[Sequence[int]], read: Callable[[int, int, int], bytes | None],
+             on_missing: Callable[[int], None] | None = None) -> list[SpanRow]:
+    """The spans at these places in the write-ahead log (:data:`.schema.ORIGINALS_SQL`'s rows: segment,
+    end offset, bytes, index in the request), each request read and decoded once; ``read(segment, offset,
+    length)`` returns a request's bytes, or None where the log no longer has it (then ``on_missing``)."""
+    decoded: dict[tuple[int, int], list[SpanRow]] = {}
+    found = []
+    for segment, offset, length, index in locations:
+        rows = decoded.get((segment, offset))
+        if rows is None:
+            payload = read(segment, offset, length)
+            if payload is None and on_missing is not None:
+                on_missing(segment)
+            rows = decoded[segment, offset] = decode(payload)[0] if payload is not None else []
+        if index < len(rows):
+            found.append(rows[index])
+    return found
+
+
 def rebuild_request(spans: list[SpanRow]) -> bytes:
     """One OTLP export request (protobuf bytes) holding the trace's spans exactly as received,
     each under its original resource and scope."""
@@ -292,25 +314,6 @@ def rebuild_request(spans: list[SpanRow]) -> bytes:
         _, scopes = resources.setdefault(id(row.origin), (row.origin.resource, {}))
         scopes.setdefault(id(row.scope), (row.scope, []))[1].append(row.raw)
     return b"".join(
-        _field(1, _field(1, resource) + b"".join(_field(2, _field(1, scope) + b"".join(_field(2, raw) for raw in raws))
+        field(1, field(1, resource) + b"".join(field(2, field(1, scope) + b"".join(field(2, raw) for raw in raws))
                                                  for scope, raws in scopes.values()))
         for resource, scopes in resources.values())
-
-
-_BYTE = [bytes([value]) for value in range(0x80)]
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (ResourceSpans.resource, ScopeSpans.spans, ...)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(value: int) -> bytes:
-    if value < 0x80:
-        return _BYTE[value]
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)

@@ -38,7 +38,7 @@ from kvtrace.telemetry import semconv
 
 from . import runs, schema
 from .breakdown import STAGE_CATEGORY
-from .model import SIDE_OF_ROLE, decode, rebuild_request
+from .model import rebuild_request, spans_at
 from .query_service import QueryRefused, endpoint_file, run_query
 from .wal import read_record
 
@@ -160,22 +160,13 @@ class FileSource:
 
     def trace_originals(self, trace_id: str) -> bytes | None:
         """The trace's spans as received, from the write-ahead log beside the file (if kept)."""
-        rows = self.query("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
-                          "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
-                          "ORDER BY 1, 2, 4", [trace_id]).to_pylist()
+        rows = self.query(schema.ORIGINALS_SQL, [trace_id]).to_pylist()
         wal_dir = self._wal_dir()
         if not rows or wal_dir is None:
             return None
-        spans: dict[bytes, Any] = {}
-        decoded: dict[tuple[int, int], list] = {}
-        for row in rows:
-            key = (row["wal_segment"], row["wal_offset"])
-            if key not in decoded:
-                payload = read_record(wal_dir, *key, row["bytes"])
-                decoded[key] = decode(payload)[0] if payload is not None else []
-            if row["batch_index"] < len(decoded[key]):
-                span = decoded[key][row["batch_index"]]
-                spans[span.span_id] = span
+        located = spans_at([tuple(row.values()) for row in rows],
+                           lambda segment, offset, length: read_record(wal_dir, segment, offset, length))
+        spans = {span.span_id: span for span in located}  # a span sent twice, once
         return rebuild_request(list(spans.values())) if spans else None
 
     def _wal_dir(self) -> Path | None:
@@ -416,10 +407,6 @@ def _grouped_quantiles(table: pa.Table, keys: Sequence[str], bucket: str, count:
     return {key: histogram_quantiles(pairs, quantiles) for key, pairs in groups.items()}
 
 
-def _q(name: float) -> str:
-    return f"p{round(name * 100):02d}"
-
-
 # --------------------------------------------------------------------------------------
 # The reader
 # --------------------------------------------------------------------------------------
@@ -642,7 +629,7 @@ class StoreReader:
                         "critical_per_request_ms": critical / requests if requests else None,
                         "on_path": on_path / requests if requests else None,
                         "ttft_share": critical / mode_total["ttft_ms"] if mode_total.get("ttft_ms") else None})
-        return sorted(out, key=lambda r: (r["mode"], _stage_rank(r["stage"]), r["side"]))
+        return sorted(out, key=lambda r: (r["mode"], semconv.stage_rank(r["stage"]), r["side"]))
 
     def stage_heatmap(self, f: Filters, points: int = 60) -> pa.Table:
         """Per time step and (mode, side, stage): spans and mean duration (ms)."""
@@ -834,7 +821,6 @@ class StoreReader:
         }
 
 
-_STAGE_RANKS = {label: int(stage) for stage, label in semconv.STAGE_LABELS.items()}
 
 
 def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
@@ -843,7 +829,7 @@ def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
     reference clock in ms from its start, with its bytes and a ``lane`` of its own. ``spans``: :meth:`StoreReader.trace_spans`; ``request``: :meth:`StoreReader.trace`'s."""
     by_stage: dict[tuple[str, str], dict[str, dict]] = {}
     for span in spans:
-        side = SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE))
+        side = semconv.SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE))
         instance = span["resource"].get(semconv.RES_SERVICE_INSTANCE_ID, "")
         if side is None:
             continue
@@ -868,10 +854,6 @@ def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
     return out
 
 
-def _stage_rank(stage: str) -> int:
-    return _STAGE_RANKS.get(stage, 99)
-
-
 def _any(value: Any) -> Any:
     kind = value.WhichOneof("value")
     return getattr(value, kind) if kind in ("string_value", "int_value", "double_value", "bool_value") else None
@@ -889,13 +871,3 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
     except (ValueError, KeyError, TypeError, OSError):
         return exc.reason or str(exc.code)
 
-
-def wait_for_version(reader: StoreReader, previous: str, timeout_s: float = 10.0) -> str:
-    """Poll until the data version moves past ``previous`` (tests, scripts); returns the new one."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        version = reader.data_version()
-        if version != previous:
-            return version
-        time.sleep(0.1)
-    return reader.data_version()

@@ -85,6 +85,12 @@ LENGTH_BUCKET_SQL: Final = ("CASE WHEN prompt_tokens > 0 THEN floor(log2(prompt_
 MINUTE_SQL: Final = "to_timestamp(floor(epoch(started_at) / 60) * 60)"
 """The minute a request started in (UTC, independent of the session's time zone)."""
 
+ORIGINALS_SQL: Final = ("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
+                        "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
+                        "ORDER BY 1, 2, 4")
+"""Where a trace's stored spans came from: (log segment, end offset, bytes, index of the span in its
+export request), for each request that holds one (:func:`.model.spans_at` reads them back)."""
+
 _TABLES = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
 CREATE TABLE IF NOT EXISTS span_rows (

@@ -32,7 +32,7 @@ from .clocks import ClockBook
 from .config import CollectorConfig
 from .forwarder import Upstream
 from .metrics import CollectorMetrics
-from .model import DECODER, PermanentError, SpanBatch, SpanRow, decode, rebuild_request
+from .model import DECODER, PermanentError, SpanBatch, SpanRow, rebuild_request, spans_at
 from .query_service import QueryService
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .store import Store
@@ -329,19 +329,10 @@ class Collector:
 
     def _stored_rows(self, trace_id: str) -> list[SpanRow]:
         """The trace's committed spans, decoded again from their originals in the log."""
-        decoded: dict[tuple[int, int], list[SpanRow]] = {}
-        found = []
-        for segment, offset, length, index in self.store.stored_originals(trace_id):
-            if (segment, offset) not in decoded:
-                payload = self.wal.read(segment, offset, length)
-                if payload is None:
-                    logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
-                                   "(--archive-gib); only the spans that remain are used", trace_id, segment)
-                decoded[segment, offset] = decode(payload)[0] if payload is not None else []
-            rows = decoded[segment, offset]
-            if index < len(rows):
-                found.append(rows[index])
-        return found
+        def gone(segment: int) -> None:
+            logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
+                           "(--archive-gib); only the spans that remain are used", trace_id, segment)
+        return spans_at(self.store.stored_originals(trace_id), self.wal.read, gone)
 
     def trace_originals(self, trace_id: str) -> bytes | None:
         """One OTLP export request with the trace's stored spans as received; None if none are left."""

@@ -342,9 +342,7 @@ class Store:
     def stored_originals(self, trace_id: str) -> list[tuple[int, int, int, int]]:
         """Where the trace's committed spans came from: (log segment, end offset, bytes, index
         of the span in its request), for each request that holds one."""
-        return self.query("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
-                          "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
-                          "ORDER BY 1, 2, 4", [trace_id])
+        return self.query(schema.ORIGINALS_SQL, [trace_id])
 
 
 def _connect(path: str, wait_s: float = 10.0) -> duckdb.DuckDBPyConnection:

@@ -186,7 +186,7 @@ def stage_shares(rows: Sequence[dict]) -> go.Figure:
 def stage_heatmap(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no stages in this window")
-    keys = sorted({(r["mode"], r["side"], r["stage"]) for r in rows}, key=lambda k: (k[0], _stage_rank(k[2]), k[1]))
+    keys = sorted({(r["mode"], r["side"], r["stage"]) for r in rows}, key=lambda k: (k[0], semconv.stage_rank(k[2]), k[1]))
     times = sorted({r["period"] for r in rows})
     index = {k: i for i, k in enumerate(keys)}
     column = {t: i for i, t in enumerate(times)}
@@ -198,10 +198,6 @@ def stage_heatmap(rows: Sequence[dict]) -> go.Figure:
              "hovertemplate": "%{y}<br>%{x}: %{z:.2f} ms<extra></extra>"}]
     return _figure(data, x=_axis("time (UTC)"), y=_axis(None, autorange="reversed"), height=160 + 20 * len(keys),
                    legend=False)
-
-
-def _stage_rank(stage: str) -> int:
-    return next((int(s) for s, label in semconv.STAGE_LABELS.items() if label == stage), 99)
 
 
 # ------------------------------------------------------------------ rendezvous

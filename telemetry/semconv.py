@@ -309,6 +309,19 @@ queue): what a reader of the trace gets without reading ``kvtrace.stage``."""
 
 STAGE_LABELS: Final[dict[Stage, str]] = {stage: stage.name.lower() for stage in Stage}
 
+SIDE_OF_ROLE: Final[dict[str, str]] = {role.value: side.value for role, side in ROLE_SIDES.items()}
+"""``kvtrace.role`` value -> side value: :data:`ROLE_SIDES` as the strings resources and stores carry."""
+
+CATEGORY_NAMES: Final[tuple[str, ...]] = tuple(c.value for c in BREAKDOWN_CATEGORIES)
+"""The parts of TTFT as strings, in the contract's order (what breakdowns, tables and metrics key by)."""
+
+_RANK_OF_LABEL = {label: int(stage) for stage, label in STAGE_LABELS.items()}
+
+
+def stage_rank(label: str) -> int:
+    """A stage label's place in the lifecycle (:data:`STAGE_ORDER`); 99 for a stage outside the contract."""
+    return _RANK_OF_LABEL.get(label, 99)
+
 _ENGINE, _WRITER, _ROUTER_LOOP, _API_SERVER = "engine loop", "writer thread", "event loop", "API server"
 RECORDED_ON: Final[dict[tuple[Side, Stage], str]] = {
     (_R, Stage.PD_REQUEST): _ROUTER_LOOP, (_R, Stage.PD_ROUTE): _ROUTER_LOOP, (_R, Stage.REGISTRATION): _ROUTER_LOOP,

@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvtrace.collectors.reader import PART_COLUMNS, PARTS, rank_stages
 from kvtrace.dashboard import charts, data, ui
+from kvtrace.telemetry import semconv
 
 f, options = ui.page("Trace", "One request on the router's clock (P's, behind another router): each stage on the lane "
                      "of the process and thread "
@@ -31,7 +32,7 @@ request, stages = found["request"], found["stages"]
 spans = data.ask("trace_spans", None, trace_id)
 attributes = {}
 for span in spans:
-    key = ({"producer": "prefill", "consumer": "decode"}.get(span["resource"].get("kvtrace.role"), "router"),
+    key = (semconv.SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE), "router"),
            span["attributes"].get("kvtrace.stage", span["name"]))
     attributes.setdefault(key, span)
 for stage in stages:

@@ -18,33 +18,11 @@ import random
 import struct
 from collections.abc import Iterator
 
+from kvtrace.collectors.wire import field, key_value, varint
 from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Stage
 
 MS = 1_000_000
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _len(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _kv(key: str, value: str | int | bool) -> bytes:
-    if isinstance(value, bool):
-        any_value = _varint(2 << 3) + _varint(int(value))
-    elif isinstance(value, int):
-        any_value = _varint(3 << 3) + _varint(value & (2**64 - 1))
-    else:
-        any_value = _len(1, value.encode())
-    return _len(1, key.encode()) + _len(2, any_value)
 
 
 _FIXED64 = struct.Struct("<Q")
@@ -63,26 +41,26 @@ class Instance:
                       (semconv.RES_MODE, self.mode)]
         if self.run_id:
             attributes.append((semconv.RES_RUN_ID, self.run_id))
-        return b"".join(_len(1, _kv(k, v)) for k, v in attributes)
+        return b"".join(field(1, key_value(k, v)) for k, v in attributes)
 
 
-_SCOPE = _len(1, _len(1, semconv.INSTRUMENTATION_SCOPE.encode()))  # ScopeSpans.scope = {name}
+_SCOPE = field(1, field(1, semconv.INSTRUMENTATION_SCOPE.encode()))  # ScopeSpans.scope = {name}
 
 
 def _span(trace_id: bytes, span_id: bytes, parent: bytes, stage: Stage, start: int, end: int,
           attrs: bytes, error: str | None = None) -> bytes:
     spec = semconv.STAGES[stage]
-    body = (_len(1, trace_id) + _len(2, span_id) + (_len(4, parent) if parent else b"") + _len(5, spec.span_name.encode())
-            + _varint(6 << 3) + _varint(spec.kind.value + 1)
-            + _varint(7 << 3 | 1) + _FIXED64.pack(start) + _varint(8 << 3 | 1) + _FIXED64.pack(end)
+    body = (field(1, trace_id) + field(2, span_id) + (field(4, parent) if parent else b"") + field(5, spec.span_name.encode())
+            + varint(6 << 3) + varint(spec.kind.value + 1)
+            + varint(7 << 3 | 1) + _FIXED64.pack(start) + varint(8 << 3 | 1) + _FIXED64.pack(end)
             + _STAGE_ATTRS[stage] + attrs)
     if error:
-        body += _len(9, _kv(semconv.ATTR_FAILURE_CAUSE, error)) + _len(15, _varint(3 << 3) + _varint(2))
+        body += field(9, key_value(semconv.ATTR_FAILURE_CAUSE, error)) + field(15, varint(3 << 3) + varint(2))
     return body
 
 
-_STAGE_ATTRS = {stage: _len(9, _kv(semconv.ATTR_CATEGORY, spec.category.value))
-                + _len(9, _kv(semconv.ATTR_STAGE, semconv.STAGE_LABELS[stage])) for stage, spec in semconv.STAGES.items()}
+_STAGE_ATTRS = {stage: field(9, key_value(semconv.ATTR_CATEGORY, spec.category.value))
+                + field(9, key_value(semconv.ATTR_STAGE, semconv.STAGE_LABELS[stage])) for stage, spec in semconv.STAGES.items()}
 
 
 @dataclasses.dataclass
@@ -141,7 +119,7 @@ class Generator:
 
     @staticmethod
     def _encode(grouped: dict[Instance, list[bytes]]) -> bytes:
-        return b"".join(_len(1, _len(1, inst.resource()) + _len(2, _SCOPE + b"".join(_len(2, s) for s in spans)))
+        return b"".join(field(1, field(1, inst.resource()) + field(2, _SCOPE + b"".join(field(2, s) for s in spans)))
                         for inst, spans in grouped.items())
 
     def _trace(self, i: int, mode: str, t0: int) -> list[tuple[str, bytes]]:
@@ -151,7 +129,7 @@ class Generator:
         tokens = max(16, min(32_000, int(rng.lognormvariate(math.log(w.median_tokens), 0.9))))
         blocks = -(-tokens // 128)
         kv_bytes = blocks * 128 * w.kv_bytes_per_token
-        request_attr = _len(9, _kv(semconv.ATTR_REQUEST_ID, f"cmpl-syn{i}-0"))
+        request_attr = field(9, key_value(semconv.ATTR_REQUEST_ID, f"cmpl-syn{i}-0"))
         out: list[tuple[str, bytes]] = []
         failed = rng.random() < w.failure_rate
         drop_completion = rng.random() < w.incomplete_rate
@@ -170,16 +148,16 @@ class Generator:
         put("prefill", Stage.P_QUEUE, p_in, p_in + p_queue)
         p_start = p_in + p_queue
         p_end = p_start + prefill
-        put("prefill", Stage.PREFILL, p_start, p_end, _len(9, _kv(semconv.ATTR_INPUT_TOKENS, tokens)))
+        put("prefill", Stage.PREFILL, p_start, p_end, field(9, key_value(semconv.ATTR_INPUT_TOKENS, tokens)))
         wire = 0.4 + kv_bytes / 18e9 * 1e3 * (1 + 0.3 * rng.random())
         descriptors = blocks * 64
-        transfer = (_len(9, _kv(semconv.ATTR_TRANSFER_BYTES, kv_bytes))
-                    + _len(9, _kv(semconv.ATTR_TRANSFER_DESCRIPTORS, descriptors))
-                    + _len(9, _kv(semconv.ATTR_TRANSFER_POST_US, int(20 + descriptors * 0.05)))
-                    + _len(9, _kv(semconv.ATTR_TRANSFER_XFER_US, int(wire * 1e3 * 0.9))))
+        transfer = (field(9, key_value(semconv.ATTR_TRANSFER_BYTES, kv_bytes))
+                    + field(9, key_value(semconv.ATTR_TRANSFER_DESCRIPTORS, descriptors))
+                    + field(9, key_value(semconv.ATTR_TRANSFER_POST_US, int(20 + descriptors * 0.05)))
+                    + field(9, key_value(semconv.ATTR_TRANSFER_XFER_US, int(wire * 1e3 * 0.9))))
         error = semconv.FailureCause.TRANSFER_FAILED.value if failed else None
-        allocation_attrs = (_len(9, _kv(semconv.ATTR_INPUT_TOKENS, tokens))
-                            + _len(9, _kv(semconv.ATTR_BLOCK_COUNT, blocks)))
+        allocation_attrs = (field(9, key_value(semconv.ATTR_INPUT_TOKENS, tokens))
+                            + field(9, key_value(semconv.ATTR_BLOCK_COUNT, blocks)))
         if mode == "push":
             put("router", Stage.PREFILL_LEG, route, p_end + 0.8)
             d_in = route + 1.0 + tokens * 0.0015
@@ -192,9 +170,9 @@ class Generator:
             put("prefill", Stage.REGISTRATION, reg_arrived, reg_arrived)
             first, both = min(reg_arrived, p_end), max(reg_arrived, p_end) + 0.05
             order = semconv.RendezvousOrder.REGISTRATION_FIRST if reg_arrived <= p_end else semconv.RendezvousOrder.KV_FIRST
-            put("prefill", Stage.RENDEZVOUS, first, both, _len(9, _kv(semconv.ATTR_RENDEZVOUS_ORDER, order.value)))
+            put("prefill", Stage.RENDEZVOUS, first, both, field(9, key_value(semconv.ATTR_RENDEZVOUS_ORDER, order.value)))
             prep = 0.1 + blocks * 0.004
-            put("prefill", Stage.DESCRIPTOR_PREP, both, both + prep, _len(9, _kv(semconv.ATTR_ON_ENGINE_LOOP, False)))
+            put("prefill", Stage.DESCRIPTOR_PREP, both, both + prep, field(9, key_value(semconv.ATTR_ON_ENGINE_LOOP, False)))
             w_start = both + prep
             put("prefill", Stage.WRITE, w_start, w_start + wire, transfer, error)
             landed = w_start + wire
@@ -214,7 +192,7 @@ class Generator:
             step = rng.expovariate(1 / (0.5 + 6 * load ** 2))  # D's step reaches the READ after its forward
             put("decode", Stage.READ_WAIT, alloc_end, alloc_end + step)
             alloc_end += step
-            put("decode", Stage.DESCRIPTOR_PREP, alloc_end, alloc_end + prep, _len(9, _kv(semconv.ATTR_ON_ENGINE_LOOP, True)))
+            put("decode", Stage.DESCRIPTOR_PREP, alloc_end, alloc_end + prep, field(9, key_value(semconv.ATTR_ON_ENGINE_LOOP, True)))
             r_start = alloc_end + prep
             put("decode", Stage.READ, r_start, r_start + wire, transfer, error)
             landed = r_start + wire
@@ -223,7 +201,7 @@ class Generator:
             tpot = 7.0 * (1 + 0.45 * load) * (1 + 0.05 * rng.random()) + prep * 0.3
         done = landed + 0.2 + rng.expovariate(1 / (0.8 + 10 * load ** 3))  # the scheduler sees it next step
         if not drop_completion:
-            put("decode", Stage.COMPLETION, landed, done, _len(9, _kv(semconv.ATTR_ENGINE_LOOP_NS, loop_ns)))
+            put("decode", Stage.COMPLETION, landed, done, field(9, key_value(semconv.ATTR_ENGINE_LOOP_NS, loop_ns)))
         d_queue = rng.expovariate(1 / (0.5 + 6 * load ** 3))
         put("decode", Stage.D_QUEUE, done, done + d_queue)
         first_token = tpot * (1 + 0.2 * rng.random())
@@ -232,10 +210,10 @@ class Generator:
         ttft = ft_end + 0.6 + rng.random() * 0.8
         put("router", Stage.DECODE_LEG, route if mode == "push" else relay_end, ttft)
         last = ttft + (w.output_tokens - 1) * tpot
-        root = (_len(9, _kv(semconv.ATTR_REQUEST_ID, f"cmpl-syn{i}-0"))
-                + _len(9, _kv(semconv.ATTR_ROUTER_TTFT_NS, int(ttft * MS)))
-                + _len(9, _kv(semconv.ATTR_ROUTER_LAST_TOKEN_NS, int(last * MS)))
-                + _len(9, _kv(semconv.ATTR_OUTPUT_TOKENS, w.output_tokens)))
+        root = (field(9, key_value(semconv.ATTR_REQUEST_ID, f"cmpl-syn{i}-0"))
+                + field(9, key_value(semconv.ATTR_ROUTER_TTFT_NS, int(ttft * MS)))
+                + field(9, key_value(semconv.ATTR_ROUTER_LAST_TOKEN_NS, int(last * MS)))
+                + field(9, key_value(semconv.ATTR_OUTPUT_TOKENS, w.output_tokens)))
         out.append(("router", _span(trace_id, root_id, b"", Stage.PD_REQUEST, t0, t0 + int((last + 0.5) * MS), root,
                                     semconv.FailureCause.UPSTREAM_ERROR.value if failed else None)))
         return out
