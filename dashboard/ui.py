@@ -43,7 +43,7 @@ def store_options() -> dict[str, Any]:
     """What the store holds (modes, runs, instances, lengths, time span); stops the page with a
     clear message when the store cannot be read."""
     try:
-        return data.ask("filter_options")
+        return data.filter_options()
     except StoreUnavailable as exc:
         st.error(f"**The store cannot be read.** {exc}")
         st.stop()

@@ -8,7 +8,7 @@ f, options = ui.page("Decode smoothness",
                      "Pull prepares descriptors and posts its READ on the decode engine's loop, between decode "
                      "steps of every running request; push does it on P's writer thread. Does it show in TPOT?")
 
-rows = data.ask("decode_smoothness", f)
+rows = data.decode_smoothness(f)
 cols = st.columns(max(1, len(rows)))
 for col, row in zip(cols, rows):
     col.metric(f"{row['mode']} TPOT p50", ui.ms(row["tpot_p50_ms"], 2))
@@ -21,6 +21,6 @@ with left:
     st.plotly_chart(charts.tpot_bars(rows), key="tpot")
 with right:
     st.subheader("Connector time on the loop against TPOT, per request")
-    st.plotly_chart(charts.loop_vs_tpot(data.ask("requests_sample", f).to_pylist()), key="loop_tpot")
+    st.plotly_chart(charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), key="loop_tpot")
 st.caption("TPOT as the router saw it: (last token − first token) / (output tokens − 1). Engine-loop time: the "
            "connector's calls on D's loop attributed to the request (pull's descriptor prep and READ post).")

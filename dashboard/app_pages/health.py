@@ -7,7 +7,7 @@ from kvtrace.dashboard import charts, data, ui
 f, options = ui.page("Health", "Clock offsets between processes, incomplete traces, the time no span covers, and "
                      "the collector's own counters.")
 
-health = data.ask("health", f)
+health = data.health(f)
 suspect = health["suspect"].to_pylist()[0]
 left, right = st.columns(2)
 with left:

@@ -12,7 +12,7 @@ f, options = ui.page("Where does time to first token go?",
 @st.fragment(run_every=data.settings().refresh_s)
 def kpi_strip() -> None:
     live = ui.current_filters(ui.store_options())  # a relative window follows the newest data
-    k = data.ask("kpis", live)
+    k = data.kpis(live)
     cols = st.columns(7)
     cols[0].metric("Requests", ui.count(k["requests"]))
     cols[1].metric("TTFT p50", ui.ms(k["ttft_p50_ms"]))
@@ -28,7 +28,7 @@ def kpi_strip() -> None:
 
 kpi_strip()
 
-by_mode = data.ask("parts_by_mode", f).to_pylist()
+by_mode = data.parts_by_mode(f).to_pylist()
 left, right = st.columns(2)
 with left:
     st.subheader("Share of TTFT, by mode")
@@ -40,8 +40,8 @@ with right:
 st.subheader("A typical request against the slowest 1 %")
 st.caption("Mean parts of the requests around the median TTFT and of those above the 99th percentile: "
            "what the tail spends its extra time on.")
-cohorts = charts.cohort_rows(data.ask("cohorts", f))
+cohorts = charts.cohort_rows(data.cohorts(f))
 st.plotly_chart(charts.stacked_parts(cohorts, label="label"), key="cohorts")
 
 st.subheader("TTFT over time")
-st.plotly_chart(charts.ttft_over_time(data.ask("ttft_over_time", f)), key="ttft_time")
+st.plotly_chart(charts.ttft_over_time(data.ttft_over_time(f)), key="ttft_time")

@@ -10,9 +10,9 @@ f, options = ui.page("Push vs pull",
                      "Same workload, two answers: which part of TTFT differs?")
 
 st.subheader("TTFT distribution")
-st.plotly_chart(charts.ttft_cdf(data.ask("ttft_cdf", f)), key="cdf")
+st.plotly_chart(charts.ttft_cdf(data.ttft_cdf(f)), key="cdf")
 
-by_mode = data.ask("parts_by_mode", f).to_pylist()
+by_mode = data.parts_by_mode(f).to_pylist()
 st.subheader("Parts of TTFT, side by side")
 st.plotly_chart(charts.parts_side_by_side(by_mode), key="side_by_side")
 modes = {row["mode"]: row for row in by_mode}
@@ -28,10 +28,10 @@ else:
     st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
 
 st.subheader("By prompt length")
-st.plotly_chart(charts.parts_by_length(data.ask("parts_by_length", f).to_pylist()), key="by_length")
+st.plotly_chart(charts.parts_by_length(data.parts_by_length(f).to_pylist()), key="by_length")
 
 st.subheader("The transfer itself")
-transfers = data.ask("transfers", f).to_pylist()
+transfers = data.transfers(f).to_pylist()
 left, right = st.columns([2, 3])
 with left:
     st.dataframe([{"mode": t["mode"], "requests": t["requests"], "MB/s (NIXL)": t["mb_per_s"],

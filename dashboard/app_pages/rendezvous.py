@@ -11,7 +11,7 @@ f, options = ui.page("Rendezvous and early binding",
 
 if "push" not in options["modes"]:
     st.info("No push requests in this store: the rendezvous exists in push mode only.")
-rendezvous = data.ask("rendezvous", f)
+rendezvous = data.rendezvous(f)
 left, right = st.columns(2)
 with left:
     st.subheader("Which half arrived first, over time")
@@ -26,6 +26,6 @@ with left:
     st.plotly_chart(charts.coordination_by_order(rendezvous["by_order"].to_pylist()), key="order_coord")
 with right:
     st.subheader("What early binding costs: KV blocks held on D")
-    st.plotly_chart(charts.kv_hold(data.ask("kv_hold", f).to_pylist()), key="kv_hold")
+    st.plotly_chart(charts.kv_hold(data.kv_hold(f).to_pylist()), key="kv_hold")
     st.caption("From D's allocation to the transfer's completion on D: in push D allocates while P prefills, "
                "in pull only after. Block·seconds = blocks allocated × time held.")

@@ -7,7 +7,7 @@ from kvtrace.dashboard import charts, data, ui
 ui.page("Runs", "One workload, two configurations (kvtrace bench sweep): who wins at each point, and which part "
                 "of TTFT made the difference?")
 
-runs = data.ask("runs")
+runs = data.runs()
 if len(runs) < 2:
     st.info("This page compares two runs recorded by the load generator, for instance:\n\n"
             "`kvtrace bench sweep --local --mode push --mode pull --prompt-tokens 128,1024 --rate 1,2 "
@@ -28,7 +28,7 @@ if run_a == run_b:
     st.warning("Pick two different runs.")
     st.stop()
 
-result = data.ask("compare_runs", None, run_a, run_b)
+result = data.compare_runs(run_a, run_b)
 for column, run in ((left, run_a), (right, run_b)):
     record = result["records"][run]
     engines = ", ".join(f"{e['role']}: vLLM {e['vllm_version']} · NIXL {e['nixl_version']} · {e['hardware']}"
@@ -64,7 +64,7 @@ if modes == {"push", "pull"}:
     st.subheader("What if: each mode estimated from the other's traces")
     table = []
     for run, other in ((run_a, run_b), (run_b, run_a)):
-        estimate = data.ask("whatif", None, run, other)
+        estimate = data.whatif(run, other)
         for e in estimate["points"]:
             table.append({"from": f"{estimate['mode']} traces", "point": charts.point_label(*e["point"]),
                           "estimated p50": e["estimated"][0.5], "measured p50": e["other_measured"][0.5],

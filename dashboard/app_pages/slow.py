@@ -11,7 +11,7 @@ f, options = ui.page("Slow requests",
                      "Draw a box around the requests you care about (the slowest are always plotted, the rest are a "
                      "sample taken in the database) and compare them with everything else under the same filters.")
 
-sample = data.ask("requests_sample", f).to_pylist()
+sample = data.requests_sample(f).to_pylist()
 event = st.plotly_chart(charts.slow_scatter(sample), key="slow_scatter", on_select="rerun", selection_mode=("box",))
 boxes = (event.selection.get("box") or []) if event and event.selection else []
 
@@ -26,7 +26,7 @@ def _time(value) -> datetime:
 if boxes:
     box = boxes[0]
     (x0, x1), (y0, y1) = sorted(box["x"]), sorted(box["y"])
-    result = data.ask("compare", f, _time(x0), _time(x1), float(y0), float(y1))
+    result = data.compare(f, _time(x0), _time(x1), float(y0), float(y1))
     parts = result["parts"].to_pylist()
     selected = next((r["requests"] for r in parts if r["group"] == "selected"), 0)
     st.subheader(f"{selected:,} selected requests against the rest")
@@ -48,7 +48,7 @@ else:
     st.info("Drag a box on the chart to select requests.", icon=":material/select:")
 
 st.subheader("The slowest requests")
-slowest = data.ask("slowest", f).to_pylist()
+slowest = data.slowest(f).to_pylist()
 st.dataframe([{"trace": f"trace?trace_id={r['trace_id']}", "started (UTC)": r["started_at"], "mode": r["mode"],
                "TTFT (ms)": r["ttft_ms"], **{k.removesuffix("_ms") + " (ms)": r[k] for k in (
                    "compute_ms", "queue_ms", "coordination_ms", "wire_ms", "unattributed_ms")},

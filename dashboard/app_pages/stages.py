@@ -8,7 +8,7 @@ f, options = ui.page("Stages",
                      "Each stage's duration and the part of it on the critical path. A long stage off the path "
                      "costs nothing; a short one on it costs every request.")
 
-rows = data.ask("stage_table", f)
+rows = data.stage_table(f)
 st.dataframe(
     [{"mode": r["mode"], "side": r["side"], "stage": r["stage"], "category": r["category"], "spans": r["spans"],
       "p50 (ms)": r["p50_ms"], "p99 (ms)": r["p99_ms"], "on the critical path (ms/request)": r["critical_per_request_ms"],
@@ -30,4 +30,4 @@ with left:
     st.plotly_chart(charts.stage_shares(rows), key="shares")
 with right:
     st.subheader("Stage × time")
-    st.plotly_chart(charts.stage_heatmap(data.ask("stage_heatmap", f).to_pylist()), key="heatmap")
+    st.plotly_chart(charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), key="heatmap")

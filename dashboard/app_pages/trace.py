@@ -10,7 +10,7 @@ f, options = ui.page("Trace", "One request on the router's clock (P's, behind an
                      "of the process and thread "
                      "that timed it, the critical path in black, and its TTFT split into parts that add up.")
 
-slowest = data.ask("slowest", f, 20).to_pylist()
+slowest = data.slowest(f, 20).to_pylist()
 trace_id = st.query_params.get("trace_id", "")
 choices = [r["trace_id"] for r in slowest]
 if trace_id and trace_id not in choices:
@@ -23,13 +23,13 @@ if picked and picked != trace_id:
     st.query_params["trace_id"] = picked
     trace_id = picked
 
-found = data.ask("trace", None, trace_id) if trace_id else None
+found = data.trace(trace_id) if trace_id else None
 if found is None:
     st.warning(f"No request with trace id `{trace_id}` in this store." if trace_id else "No trace selected.")
     st.stop()
 
 request, stages = found["request"], found["stages"]
-spans = data.ask("trace_spans", None, trace_id)
+spans = data.trace_spans(trace_id)
 attributes = {}
 for span in spans:
     key = (semconv.SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE), "router"),
