@@ -13,6 +13,7 @@ as received). Start order is downstream first; shutdown is upstream first, flush
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import queue
@@ -50,6 +51,25 @@ _RUN_SPAN = semconv.SPAN_RUN  # forwarded traces whose breakdown revision is rem
 
 class Busy(RetryLater):
     """The pipeline is full: the receiver answers 503 / UNAVAILABLE, and the sender retries."""
+
+
+class PortInUse(ValueError):
+    """A listener could not bind its port; the message names the flag, the address and what to do."""
+
+
+@contextlib.contextmanager
+def _listening(flag: str, host: str, port: int):
+    """Turn a failed bind (the socket's OSError, or grpcio's RuntimeError) into :class:`PortInUse`."""
+    try:
+        yield
+    except OSError as exc:
+        raise PortInUse(f"--{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); another "
+                        f"process may hold it: pick another port, or -1 to turn it off") from None
+    except RuntimeError as exc:
+        if "Failed to bind" not in str(exc):
+            raise
+        raise PortInUse(f"--{flag} {port}: cannot listen on {host}:{port} (in use, or not allowed); another "
+                        f"process may hold it: pick another port, or -1 to turn it off") from None
 
 
 class Collector:
@@ -104,20 +124,24 @@ class Collector:
         self._replay()
         self._thread.start()
         if c.metrics_port is not None:
-            self.metrics.serve(c.metrics_port, c.host)
+            with _listening("metrics-port", c.host, c.metrics_port):
+                self.metrics.serve(c.metrics_port, c.host)
         if c.grpc_port is not None:
-            self.receivers.append(OtlpGrpcReceiver(self.consume, c.host, c.grpc_port, bearer_token=c.bearer_token,
-                                                   max_message_bytes=c.max_body_bytes, tls=self._tls(),
-                                                   clock=self.clocks.exchange))
+            with _listening("grpc-port", c.host, c.grpc_port):
+                self.receivers.append(OtlpGrpcReceiver(self.consume, c.host, c.grpc_port, bearer_token=c.bearer_token,
+                                                       max_message_bytes=c.max_body_bytes, tls=self._tls(),
+                                                       clock=self.clocks.exchange))
         if c.http_port is not None:
-            self.receivers.append(OtlpHttpReceiver(self.consume, c.host, c.http_port, bearer_token=c.bearer_token,
-                                                   max_body_bytes=c.max_body_bytes, tls=self._tls(),
-                                                   clock=self.clocks.exchange))
+            with _listening("http-port", c.host, c.http_port):
+                self.receivers.append(OtlpHttpReceiver(self.consume, c.host, c.http_port, bearer_token=c.bearer_token,
+                                                       max_body_bytes=c.max_body_bytes, tls=self._tls(),
+                                                       clock=self.clocks.exchange))
         for receiver in self.receivers:
             receiver.start()
         if c.query_port is not None:
-            self.query_service = QueryService(self.store, self.status, self.trace_originals, host=c.host,
-                                              port=c.query_port, bearer_token=c.bearer_token, tls=self._tls())
+            with _listening("query-port", c.host, c.query_port):
+                self.query_service = QueryService(self.store, self.status, self.trace_originals, host=c.host,
+                                                  port=c.query_port, bearer_token=c.bearer_token, tls=self._tls())
             self.query_service.start()
 
     def _tls(self) -> tuple[str, str] | None:

@@ -81,7 +81,7 @@ def _cmd_collector(args: argparse.Namespace) -> int:
     import threading
 
     from kvtrace.collectors.config import CollectorConfig, ForwardPolicy
-    from kvtrace.collectors.service import Collector
+    from kvtrace.collectors.service import Collector, PortInUse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -104,7 +104,12 @@ def _cmd_collector(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    collector.start()
+    try:
+        collector.start()
+    except PortInUse as exc:
+        print(f"kvtrace collector: {exc}", file=sys.stderr)
+        collector.shutdown()
+        return 2
     ports = ", ".join(f"{type(r).__name__} :{r.port}" for r in collector.receivers)
     log = logging.getLogger("kvtrace.collector")
     log.info("listening on %s (%s); store %s", config.host, ports, config.db_path)

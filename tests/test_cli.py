@@ -85,3 +85,20 @@ def test_every_collector_error_names_a_flag_the_command_has(args, capsys, tmp_pa
     options = {option for action in cli.build_parser()._subparsers._group_actions[0].choices["collector"]._actions
                for option in action.option_strings}
     assert named and named <= options, (message, named - options)
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--query-port", "--metrics-port"])
+def test_a_collector_whose_port_is_taken_says_so_in_one_line(tmp_path, flag):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {"--http-port": "-1", "--grpc-port": "0", "--query-port": "-1", flag: str(port)}
+        result = subprocess.run([sys.executable, "-m", "kvtrace", "collector", "--db", str(tmp_path / "c.duckdb"),
+                                 *[a for pair in ports.items() for a in pair]], capture_output=True, text=True,
+                                timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"kvtrace collector: {flag} {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
