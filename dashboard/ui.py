@@ -18,6 +18,12 @@ WINDOWS = {"all": None, "15m": timedelta(minutes=15), "1h": timedelta(hours=1), 
 WINDOW_LABELS = {"all": "All data", "15m": "Last 15 minutes", "1h": "Last hour", "6h": "Last 6 hours",
                  "24h": "Last 24 hours", "7d": "Last 7 days"}
 TTFT_REFERENCES = {r.value: meaning for r, meaning in semconv.TTFT_REFERENCE_MEANINGS.items()}
+RENDEZVOUS_SHORT = {semconv.RendezvousOrder.REGISTRATION_FIRST.value: "D first",
+                    semconv.RendezvousOrder.KV_FIRST.value: "P first"}
+RENDEZVOUS_HELP = {semconv.RendezvousOrder.REGISTRATION_FIRST.value: "registration_first: D's registration was "
+                   "waiting when P's KV was ready (the prefill hid the coordination)",
+                   semconv.RendezvousOrder.KV_FIRST.value: "kv_first: P's KV waited for D's registration (that "
+                   "wait is on the critical path)"}
 """What each TTFT reference measures from and to (the contract's words), for the pages' help."""
 _KEYS = {"window": "f_window", "mode": "f_modes", "run": "f_runs", "instance": "f_instances", "len": "f_len"}
 
@@ -154,6 +160,17 @@ def _utc(value: datetime) -> str:
 
 def ms(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f} ms"
+
+
+def ms_short(value: float | None) -> str:
+    """A duration in at most three significant digits and seven characters (a KPI's column is narrow):
+    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s."""
+    if value is None:
+        return "–"
+    if value < 1_000:
+        return f"{value:.3g} ms" if value >= 1 else f"{value:.2f} ms"
+    seconds = value / 1_000
+    return f"{seconds:.3g} s" if seconds < 1_000 else f"{seconds:,.0f} s"
 
 
 def pct(value: float | None, digits: int = 1) -> str:

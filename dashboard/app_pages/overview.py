@@ -13,15 +13,16 @@ f, options = ui.page("Where does time to first token go?",
 def kpi_strip() -> None:
     live = ui.current_filters(ui.store_options())  # a relative window follows the newest data
     k = data.kpis(live)
-    cols = st.columns(7)
-    cols[0].metric("Requests", ui.count(k["requests"]))
-    cols[1].metric("TTFT p50", ui.ms(k["ttft_p50_ms"]))
-    cols[2].metric("TTFT p90", ui.ms(k["ttft_p90_ms"]))
-    cols[3].metric("TTFT p99", ui.ms(k["ttft_p99_ms"]))
-    cols[4].metric("Coordination share", ui.pct(k["coordination_share"]),
-                   help="Coordination's part of all TTFT in the window (complete traces).")
-    cols[5].metric("Incomplete traces", ui.count(k["incomplete"]), help="Traces missing a stage; see Health.")
-    cols[6].metric("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")
+    # two rows of four: seven KPIs in one row are cut off in a laptop's window
+    top, bottom = st.columns(4), st.columns(4)
+    top[0].metric("TTFT p50", ui.ms_short(k["ttft_p50_ms"]), help=f"{ui.ms(k['ttft_p50_ms'])}")
+    top[1].metric("TTFT p90", ui.ms_short(k["ttft_p90_ms"]), help=f"{ui.ms(k['ttft_p90_ms'])}")
+    top[2].metric("TTFT p99", ui.ms_short(k["ttft_p99_ms"]), help=f"{ui.ms(k['ttft_p99_ms'])}")
+    top[3].metric("Coordination", ui.pct(k["coordination_share"]),
+                  help="Coordination's share of all TTFT in the window (complete traces).")
+    bottom[0].metric("Requests", ui.count(k["requests"]))
+    bottom[1].metric("Incomplete", ui.count(k["incomplete"]), help="Traces missing a stage; see Health.")
+    bottom[2].metric("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")
     st.caption(f"{ui.window_caption(live, ui.store_options())} · live, every {data.settings().refresh_s:g} s · "
                "percentiles from log-bucketed histograms (±4 %)")
 

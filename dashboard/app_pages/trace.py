@@ -44,10 +44,12 @@ for stage in stages:
 
 cols = st.columns(5)
 reference = request.get("ttft_reference") or "router"
-cols[0].metric(f"TTFT (from {reference})", ui.ms(request["ttft_ms"]), help=ui.TTFT_REFERENCES.get(reference))
+cols[0].metric(f"TTFT (from {reference})", ui.ms_short(request["ttft_ms"]),
+               help=f"{ui.ms(request['ttft_ms'], 3)}: {ui.TTFT_REFERENCES.get(reference)}")
 cols[1].metric("Mode", request["mode"])
 cols[2].metric("Prompt tokens", ui.count(request["prompt_tokens"]))
-cols[3].metric("Rendezvous", request["rendezvous_order"] or "–")
+cols[3].metric("Rendezvous", ui.RENDEZVOUS_SHORT.get(request["rendezvous_order"], "–"),
+               help=request["rendezvous_order"] and ui.RENDEZVOUS_HELP.get(request["rendezvous_order"]))
 cols[4].metric("Complete", "yes" if request["complete"] else "no", help=request["missing"] or None)
 settings = data.settings()
 if settings.apm_url:

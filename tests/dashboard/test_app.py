@@ -92,8 +92,8 @@ def test_overview_numbers_are_the_stores(monkeypatch, stores):
     k = open_store(stores["mixed"]).kpis(Filters())
     metrics = _metrics(at)
     assert metrics["Requests"] == f"{k['requests']:,}" == "10"
-    assert metrics["TTFT p50"] == f"{k['ttft_p50_ms']:,.1f} ms"
-    assert metrics["Incomplete traces"] == "1" and metrics["Failed"] == "1"
+    assert metrics["TTFT p50"] == f"{k['ttft_p50_ms']:.3g} ms"  # three significant digits: the column is narrow
+    assert metrics["Incomplete"] == "1" and metrics["Failed"] == "1"
     by_mode = {r["mode"]: r for r in open_store(stores["mixed"]).parts_by_mode(Filters()).to_pylist()}
     absolute = _figures(at)[1]  # mean ms by mode
     for trace in absolute["data"]:
@@ -132,7 +132,8 @@ def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores
     built = stores["mixed_traces"][4]  # push, kv_first: its path runs through D's registration
     at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
     assert at.selectbox[0].value == built.trace_id
-    assert _metrics(at)["TTFT (from router)"] == f"{built.ttft_ns / MS:,.1f} ms"
+    assert _metrics(at)["TTFT (from router)"] == f"{built.ttft_ns / MS:.3g} ms"
+    assert _metrics(at)["Rendezvous"] == "P first"  # kv_first: P's KV waited for D's registration
     breakdown = at.dataframe[0].value.set_index("part")["ms"]
     assert breakdown["TTFT (sum)"] == pytest.approx(built.ttft_ns / MS)
     for part, ns in built.expected.items():
@@ -213,3 +214,12 @@ def test_traces_of_an_older_contract_appear_on_every_page(monkeypatch, stores, p
     at = _app(monkeypatch, stores["older"], page)
     shown = [json.dumps(figure) for figure in _figures(at)]
     assert shown and not any("no complete requests" in figure for figure in shown), page
+
+
+def test_kpi_durations_keep_three_digits_and_fit_a_narrow_column():
+    from kvtrace.dashboard.ui import ms_short
+
+    cases = {None: "–", 0.4213: "0.42 ms", 4.213: "4.21 ms", 87.74: "87.7 ms", 410.3: "410 ms", 1249.3: "1.25 s",
+             12_500.0: "12.5 s", 2_000_000.0: "2,000 s"}
+    assert {value: ms_short(value) for value in cases} == cases
+    assert max(len(text) for text in cases.values()) <= 7

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from playwright import sync_api as playwright
 
+from kvtrace.dashboard.ui import ms_short
 from kvtrace.collectors.reader import Filters, open_store
 from kvtrace.testbed.launch import free_port
 from kvtrace.testbed.synthetic import Generator, Workload
@@ -145,6 +146,16 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
     print(f"\n/{path}: first chart after {first_chart_s:.2f} s")
+    page.set_viewport_size({"width": 1280, "height": 900})  # a laptop's browser window
+    page.wait_for_timeout(1_000)
+    assert not _cut_kpis(page), f"/{path}: KPI values cut off at 1280 px: {_cut_kpis(page)}"
+
+
+def _cut_kpis(page) -> list[str]:
+    """KPI values wider than their column (Streamlit cuts them off with an ellipsis)."""
+    return page.eval_on_selector_all("[data-testid='stMetricValue'], [data-testid='stMetricValue'] *",
+                                     "elements => elements.filter(e => e.scrollWidth > e.clientWidth + 1)"
+                                     ".map(e => e.innerText)")
 
 
 def test_a_request_sent_after_the_page_loaded_appears_within_the_refresh(live, page):
@@ -173,9 +184,12 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     trace_id = live["reader"].slowest(Filters(), 1).to_pylist()[0]["trace_id"]
     page.goto(f"{live['ui']}/trace?trace_id={trace_id}")
     page.wait_for_selector(".main-svg", timeout=60_000)
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.wait_for_timeout(1_000)
+    assert not _cut_kpis(page), f"KPI values cut off at 1280 px: {_cut_kpis(page)}"
     ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (from router)").locator(
         "[data-testid='stMetricValue']").inner_text()
-    assert ttft == f"{live['reader'].trace(trace_id)['request']['ttft_ms']:,.1f} ms"  # the deep link's trace
+    assert ttft == ms_short(live["reader"].trace(trace_id)["request"]["ttft_ms"])  # the deep link's trace
     assert f"trace_id={trace_id}" in page.url
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
