@@ -355,7 +355,8 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "type": "bar", "orientation": "h", "name": category,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
-                "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1}},
+                "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1},
+                           "opacity": [_on_path(s) for s in members]},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
                                 s.get("hover", "")] for s in members],
@@ -378,6 +379,15 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                  "line": {"color": "#111", "dash": "dash", "width": 1}}],
         annotations=[{"x": ttft_ms, "y": 0, "yref": "paper", "xanchor": "left", "yanchor": "bottom", "showarrow": False,
                       "text": f"{end}: {ttft_ms:.1f} ms", "font": {"size": 11, "color": "#333"}}])
+
+
+def _on_path(stage: dict) -> float:
+    """A stage's opacity: full where all of it is on the critical path, faded as less of it is — a router
+    leg that waits the whole TTFT for its engine, with 2 ms of its own on the path, must not read as
+    coordination at a glance."""
+    duration = stage["duration_ms"]
+    share = min(1.0, stage["critical_ms"] / duration) if duration > 0 else 1.0
+    return round(0.3 + 0.7 * share, 3)
 
 
 def _lane(stage: dict) -> str:

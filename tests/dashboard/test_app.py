@@ -223,3 +223,15 @@ def test_kpi_durations_keep_three_digits_and_fit_a_narrow_column():
              12_500.0: "12.5 s", 2_000_000.0: "2,000 s"}
     assert {value: ms_short(value) for value in cases} == cases
     assert max(len(text) for text in cases.values()) <= 7
+
+
+def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
+    """The router's decode leg spans the whole TTFT but only its last ms are on the path: drawn faded,
+    where P's prefill (all on the path) is drawn solid."""
+    built = stores["mixed_traces"][0]  # push, registration_first
+    at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
+    waterfall = _figures(at)[0]
+    opacity = {name: o for trace in waterfall["data"] if trace.get("text")
+               for name, o in zip(trace["text"], trace["marker"]["opacity"])}
+    assert opacity["prefill"] == 1.0
+    assert opacity["decode_leg"] < 0.4 and opacity["prefill_leg"] == 0.3  # 1 of ~170 ms; none on the path
