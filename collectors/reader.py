@@ -461,11 +461,15 @@ class StoreReader:
 
     def filter_options(self) -> dict[str, Any]:
         """Modes, runs, instances, prompt-length buckets and the time span the store holds."""
-        row = self._rows("""SELECT list(DISTINCT mode) AS modes, list(DISTINCT run_id) AS runs,
-                                   list(DISTINCT prefill_instance) AS prefill, list(DISTINCT decode_instance) AS decode,
-                                   list(DISTINCT length_bucket) AS lengths, min(minute) AS first,
-                                   max(minute) AS last, sum(requests) AS requests
-                            FROM request_rollup WHERE requests > 0""")[0]
+        # (a trace decided again leaves a retraction row of -1 beside its first row until the minute is
+        # compacted: the count sums every row; the lists take only rows that still hold requests)
+        held = "FILTER (WHERE requests > 0)"
+        row = self._rows(f"""SELECT list(DISTINCT mode) {held} AS modes, list(DISTINCT run_id) {held} AS runs,
+                                   list(DISTINCT prefill_instance) {held} AS prefill,
+                                   list(DISTINCT decode_instance) {held} AS decode,
+                                   list(DISTINCT length_bucket) {held} AS lengths, min(minute) {held} AS first,
+                                   max(minute) {held} AS last, sum(requests) AS requests
+                            FROM request_rollup""")[0]
         clean = lambda values: sorted(v for v in values or () if v not in (None, ""))  # noqa: E731
         return {"modes": clean(row["modes"]), "runs": clean(row["runs"]),
                 "instances": clean((row["prefill"] or []) + (row["decode"] or [])),

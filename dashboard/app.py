@@ -13,9 +13,19 @@ st.set_page_config(page_title="kvtrace — where TTFT goes", page_icon=str(Path(
                    initial_sidebar_state="expanded")
 st.set_option("client.toolbarMode", "viewer")  # a product, not a notebook: no deploy or rerun menu
 
+OVERVIEW = st.Page("app_pages/overview.py", title="Overview", icon=":material/donut_large:", url_path="home",
+                   default=True)
+
+
+def _to_overview() -> None:
+    st.switch_page(OVERVIEW)
+
+
 PAGES = [
-    st.Page("app_pages/overview.py", title="Overview", icon=":material/donut_large:", url_path="overview",
-            default=True),
+    OVERVIEW,
+    # The default page is served at "/" (its url_path only reserved): a link to /overview lands on it,
+    # not on "Page not found".
+    st.Page(_to_overview, title="Overview", url_path="overview", visibility="hidden"),
     st.Page("app_pages/push_vs_pull.py", title="Push vs pull", icon=":material/compare_arrows:",
             url_path="push-vs-pull"),
     st.Page("app_pages/stages.py", title="Stages", icon=":material/view_timeline:", url_path="stages"),

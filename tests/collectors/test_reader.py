@@ -146,6 +146,7 @@ def test_late_spans_retract_and_re_add_the_rollups(make_collector):
     counts = reader.sql("SELECT sum(requests) AS n FROM request_rollup").to_pylist()[0]["n"]
     stage_counts = reader.sql("SELECT stage_key, sum(spans) AS n FROM stage_rollup GROUP BY 1").to_pylist()
     assert counts == 1 and all(r["n"] == 1 for r in stage_counts), stage_counts
+    assert reader.filter_options()["requests"] == 1  # the sidebar's count: the retracted row is not counted again
 
 
 def test_the_query_endpoint_answers_selects_only(make_collector, mixed):

@@ -194,3 +194,10 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
     assert not page.outside, page.outside
+
+
+def test_the_overviews_own_path_opens_the_overview(live, page):
+    page.goto(f"{live['ui']}/overview")
+    page.locator("[data-testid='stMetric']").filter(has_text="TTFT p50").wait_for(timeout=60_000)
+    assert page.get_by_text("Page not found").count() == 0
+    assert page.locator("[data-testid='stException']").count() == 0
