@@ -3,6 +3,7 @@ empty and error states, and number formatting."""
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -162,15 +163,22 @@ def ms(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f} ms"
 
 
-def ms_short(value: float | None) -> str:
+def ms_short(value: float | None, approximate: bool = False) -> str:
     """A duration in at most three significant digits and seven characters (a KPI's column is narrow):
-    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s."""
+    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±4 %):
+    4.2 ms, 88 ms, 410 ms, 1.2 s."""
     if value is None:
         return "–"
-    if value < 1_000:
-        return f"{value:.3g} ms" if value >= 1 else f"{value:.2f} ms"
-    seconds = value / 1_000
-    return f"{seconds:.3g} s" if seconds < 1_000 else f"{seconds:,.0f} s"
+    digits = 2 if approximate else 3
+    unit, scaled = ("s", value / 1_000) if value >= 1_000 else ("ms", value)
+    if scaled >= 1_000:
+        return f"{scaled:,.0f} {unit}"
+    if scaled < 1:
+        return f"{scaled:.2f} {unit}"
+    rounded = round(scaled, digits - 1 - math.floor(math.log10(scaled)))
+    if unit == "ms" and rounded >= 1_000:  # 999.96 ms rounds up into seconds
+        return ms_short(1_000.0, approximate)
+    return f"{rounded:.{max(0, digits - 1 - math.floor(math.log10(rounded)))}f} {unit}"
 
 
 def pct(value: float | None, digits: int = 1) -> str:

@@ -15,16 +15,18 @@ def kpi_strip() -> None:
     k = data.kpis(live)
     # two rows of four: seven KPIs in one row are cut off in a laptop's window
     top, bottom = st.columns(4), st.columns(4)
-    top[0].metric("TTFT p50", ui.ms_short(k["ttft_p50_ms"]), help=f"{ui.ms(k['ttft_p50_ms'])}")
-    top[1].metric("TTFT p90", ui.ms_short(k["ttft_p90_ms"]), help=f"{ui.ms(k['ttft_p90_ms'])}")
-    top[2].metric("TTFT p99", ui.ms_short(k["ttft_p99_ms"]), help=f"{ui.ms(k['ttft_p99_ms'])}")
+    rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±4 % supports
+    for col, q in zip(top, ("p50", "p90", "p99")):
+        value = k[f"ttft_{q}_ms"]
+        col.metric(f"TTFT {q}", ui.ms_short(value, rough), help=f"{'≈ ' if rough else ''}{ui.ms(value)}")
     top[3].metric("Coordination", ui.pct(k["coordination_share"]),
                   help="Coordination's share of all TTFT in the window (complete traces).")
     bottom[0].metric("Requests", ui.count(k["requests"]))
     bottom[1].metric("Incomplete", ui.count(k["incomplete"]), help="Traces missing a stage; see Health.")
     bottom[2].metric("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")
     st.caption(f"{ui.window_caption(live, ui.store_options())} · live, every {data.settings().refresh_s:g} s · "
-               "percentiles from log-bucketed histograms (±4 %)")
+               + ("percentiles exact" if k["quantiles_exact"] else
+                  f"percentiles from log-bucketed histograms (±4 %: over {ui.count(data.reader().exact_quantiles_up_to)} requests)"))
 
 
 kpi_strip()

@@ -14,6 +14,7 @@ from kvtrace.collectors import schema
 from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.query_service import endpoint_file
 from kvtrace.collectors.reader import (
+    StoreReader,
     PART_COLUMNS, Filters, QueryRefused, StoreUnavailable, histogram_quantiles, open_store,
 )
 from tests.collectors.traces import MS, build
@@ -219,3 +220,20 @@ def test_compaction_merges_partial_rollup_rows_and_keeps_every_answer(make_colle
     after = {name: getattr(reader, name)(Filters()) for name in before}
     rows_after = reader.sql("SELECT count(*) AS n FROM stage_rollup").to_pylist()[0]["n"]
     assert after == before and rows_after < rows_before
+
+
+def test_kpi_percentiles_are_exact_for_small_selections_and_estimates_above_the_bound(make_collector):
+    collector = make_collector()
+    builts = [build(mode, at_ms=i * 37.0, late_rank_ms=3.0 * i) for i, mode in enumerate(["push", "pull"] * 6)]  # TTFTs apart
+    _feed(collector, builts)
+    reader = open_store(collector.config.db_path)
+    for f in (Filters(), Filters(modes=("push",))):
+        k = reader.kpis(f)
+        where, params = f.where(rollup=False)
+        exact = reader.sql(f"SELECT quantile_cont(ttft_ms, [0.5, 0.9, 0.99]) AS q FROM requests "
+                           f"WHERE {where} AND complete", params).to_pylist()[0]["q"]
+        assert k["quantiles_exact"] and [k["ttft_p50_ms"], k["ttft_p90_ms"], k["ttft_p99_ms"]] == exact
+    estimated = StoreReader(reader.source, exact_quantiles_up_to=5).kpis(Filters())  # 12 complete > 5
+    assert not estimated["quantiles_exact"]
+    for q in ("p50", "p90", "p99"):
+        assert abs(estimated[f"ttft_{q}_ms"] / reader.kpis(Filters())[f"ttft_{q}_ms"] - 1) <= 0.04

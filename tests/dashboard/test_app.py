@@ -15,6 +15,7 @@ from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store
 from kvtrace.collectors.service import Collector
 from kvtrace.dashboard.launch import APP as APP_PATH
+from kvtrace.dashboard.ui import ms_short
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
 from tests.collectors.traces import MS, build
 
@@ -219,10 +220,12 @@ def test_traces_of_an_older_contract_appear_on_every_page(monkeypatch, stores, p
 def test_kpi_durations_keep_three_digits_and_fit_a_narrow_column():
     from kvtrace.dashboard.ui import ms_short
 
-    cases = {None: "–", 0.4213: "0.42 ms", 4.213: "4.21 ms", 87.74: "87.7 ms", 410.3: "410 ms", 1249.3: "1.25 s",
-             12_500.0: "12.5 s", 2_000_000.0: "2,000 s"}
+    cases = {None: "–", 0.4213: "0.42 ms", 4.213: "4.21 ms", 87.74: "87.7 ms", 99.96: "100 ms", 410.3: "410 ms",
+             999.96: "1.00 s", 1249.3: "1.25 s", 12_500.0: "12.5 s", 2_000_000.0: "2,000 s"}
     assert {value: ms_short(value) for value in cases} == cases
     assert max(len(text) for text in cases.values()) <= 7
+    rough = {4.213: "4.2 ms", 87.74: "88 ms", 410.3: "410 ms", 1249.3: "1.2 s"}  # a histogram's ±4 %
+    assert {value: ms_short(value, approximate=True) for value in rough} == rough
 
 
 def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
@@ -235,3 +238,19 @@ def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
                for name, o in zip(trace["text"], trace["marker"]["opacity"])}
     assert opacity["prefill"] == 1.0
     assert opacity["decode_leg"] < 0.4 and opacity["prefill_leg"] == 0.3  # 1 of ~170 ms; none on the path
+
+
+def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_path):
+    from kvtrace.collectors import reader as reader_module
+
+    db = _store(tmp_path / "many.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
+    at = _app(monkeypatch, db)
+    k = open_store(db).kpis(Filters())
+    assert k["quantiles_exact"] and _metrics(at)["TTFT p50"] == f"{k['ttft_p50_ms']:.3g} ms"
+    assert any("percentiles exact" in c.value for c in at.caption)
+    monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
+    db = _store(tmp_path / "more.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
+    at = _app(monkeypatch, db)
+    assert any("log-bucketed histograms (±4 %: over 3 requests)" in c.value for c in at.caption)
+    estimate = open_store(db).kpis(Filters())["ttft_p50_ms"]
+    assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±4 % supports
