@@ -49,7 +49,15 @@ from typing import Final
 from kvtrace.telemetry import semconv
 
 SCHEMA_VERSION: Final = 7
-"""Bump when a table, view or rollup changes: a file with another version is refused."""
+"""Bump when a table, view or rollup changes: a file with another version is refused, unless
+:data:`MIGRATIONS` brings it up to this one."""
+
+MIGRATIONS: Final[dict[int, str]] = {
+    # 6 -> 7: the TTFT reference per request; every request before it was served by kvtrace's router
+    6: "ALTER TABLE requests ADD COLUMN ttft_reference VARCHAR DEFAULT 'router'; "
+       "UPDATE schema_version SET version = 7",
+}
+"""From a schema version to the next, in one transaction: what the collector runs on opening an older file."""
 
 PARTS: Final = tuple(c.value for c in semconv.BREAKDOWN_CATEGORIES)
 PART_COLUMNS: Final = tuple(f"{part}_ms" for part in PARTS)

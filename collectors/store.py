@@ -104,6 +104,12 @@ class Store:
         if tables:
             found = con.execute("SELECT max(version) FROM schema_version").fetchone()[0] \
                 if "schema_version" in tables else None
+            while found in schema.MIGRATIONS:  # an older file this kvtrace knows how to bring up to date
+                con.execute("BEGIN TRANSACTION")
+                con.execute(schema.MIGRATIONS[found])
+                con.execute("COMMIT")
+                logger.info("kvtrace collector: %s: store schema %d brought up to %d", self.path, found, found + 1)
+                found += 1
             if found != schema.SCHEMA_VERSION:
                 raise SchemaMismatch(f"--db {self.path}: written by a kvtrace with store schema {found or 1}, "
                                      f"this one uses {schema.SCHEMA_VERSION}; use a new file")

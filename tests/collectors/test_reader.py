@@ -237,3 +237,37 @@ def test_kpi_percentiles_are_exact_for_small_selections_and_estimates_above_the_
     assert not estimated["quantiles_exact"]
     for q in ("p50", "p90", "p99"):
         assert abs(estimated[f"ttft_{q}_ms"] / reader.kpis(Filters())[f"ttft_{q}_ms"] - 1) <= 0.04
+
+
+def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):
+    """A schema-6 file (before ttft_reference) is migrated when a collector opens it: its rows are kept,
+    read as served by kvtrace's router, and new traces join them."""
+    from kvtrace.collectors import schema
+    from kvtrace.collectors.config import CollectorConfig
+    from kvtrace.collectors.service import Collector
+
+    path = tmp_path / "older.duckdb"
+
+    def collect(builts):
+        collector = Collector(CollectorConfig(db_path=str(path), grpc_port=None, http_port=0, decision_wait_s=0.0))
+        collector.start()
+        for built in builts:
+            for request in built.requests:
+                collector.consume(SpanBatch.of(request))
+        collector.shutdown()
+
+    before = [build("push"), build("pull")]
+    collect(before)
+    con = duckdb.connect(str(path))  # what a schema-6 collector left: no ttft_reference, version 6
+    con.execute("DROP VIEW IF EXISTS stages; ALTER TABLE requests DROP COLUMN ttft_reference; "
+                "UPDATE schema_version SET version = 6")
+    con.execute(schema.VIEWS)  # its views, as it had them
+    con.close()
+    with pytest.raises(StoreUnavailable, match="schema 6"):  # a reader alone does not write to it
+        open_store(path).kpis(Filters())
+    behind = build("pull", drop={"router"})
+    collect([behind])
+    rows = {r["trace_id"]: r["ttft_reference"] for r in open_store(path).sql(
+        "SELECT trace_id, ttft_reference FROM requests").to_pylist()}
+    assert rows == {before[0].trace_id: "router", before[1].trace_id: "router", behind.trace_id: "engine"}
+    assert open_store(path).kpis(Filters())["requests"] == 3
