@@ -25,18 +25,19 @@ PREFILL_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.PREFILL_LEG])
 P_INPUT = (PREFILL, semconv.STAGE_LABELS[Stage.P_INPUT])
 D_INPUT = (DECODE, semconv.STAGE_LABELS[Stage.D_INPUT])
 READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
-RELAY = (ROUTER, semconv.RELAY_LABEL)
-"""Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
-STAGE_CATEGORY = {semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()}
 INGRESS = (ROUTER, semconv.INGRESS_LABEL)
 """Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
+RELAY = (ROUTER, semconv.RELAY_LABEL)
+"""Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
 D_OUTPUT = (DECODE, semconv.OUTPUT_LABEL)
 """Behind another router, with vLLM's tracing on: D's first token on its way out of D's API server (derived)."""
-for _derived in semconv.DERIVED_STAGE_LABELS:
-    STAGE_CATEGORY[_derived] = semconv.Category.COORDINATION.value
-# Spans that enclose the request (the gateway's, vLLM's own per engine) are drawn like pd.request
-STAGE_CATEGORY[semconv.GATEWAY_REQUEST_LABEL] = STAGE_CATEGORY[semconv.VLLM_SPAN_REQUEST] = semconv.Category.ROOT.value
-"""Each contract stage's category; a stage outside the contract counts as coordination."""
+STAGE_CATEGORY = {
+    **{semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()},
+    **dict.fromkeys(semconv.DERIVED_STAGE_LABELS, semconv.Category.COORDINATION.value),
+    # spans that enclose the request (the gateway's, vLLM's own per engine) are drawn like pd.request
+    **dict.fromkeys((semconv.GATEWAY_REQUEST_LABEL, semconv.VLLM_SPAN_REQUEST), semconv.Category.ROOT.value),
+}
+"""Each stage's category, the contract's and the collector's own; a stage outside both counts as coordination."""
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2
 """The stage key of a critical-path segment no span covers."""
 Segment = tuple[tuple[str, str], int, int]

@@ -354,7 +354,6 @@ class ClockAligner:
             place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
         return offsets, bounds, suspect
 
-
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
         """The gateway's offset onto P's clock: its span started before P had the request and ended
         after D's first token."""

@@ -62,14 +62,15 @@ def _listening(flag: str, host: str, port: int):
     """Turn a failed bind (the socket's OSError, or grpcio's RuntimeError) into :class:`PortInUse`."""
     try:
         yield
+        return
     except OSError as exc:
-        raise PortInUse(f"--{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); another "
-                        f"process may hold it: pick another port, or -1 to turn it off") from None
+        why = exc.strerror or str(exc)
     except RuntimeError as exc:
         if "Failed to bind" not in str(exc):
             raise
-        raise PortInUse(f"--{flag} {port}: cannot listen on {host}:{port} (in use, or not allowed); another "
-                        f"process may hold it: pick another port, or -1 to turn it off") from None
+        why = "in use, or not allowed"
+    raise PortInUse(f"--{flag} {port}: cannot listen on {host}:{port} ({why}); another process may hold it: "
+                    f"pick another port, or -1 to turn it off")
 
 
 class Collector:
