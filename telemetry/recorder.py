@@ -3,7 +3,8 @@
 On the calling thread :meth:`Recorder.record` does one bound check and one ``deque.append``
 of a tuple of ids and monotonic timestamps; nothing is formatted, allocated per attribute
 or locked. A named daemon thread turns records into OpenTelemetry spans with explicit
-start and end times (monotonic → wall clock with one offset per process), feeds the
+start and end times (monotonic → wall clock with one offset per process, read again each export
+cycle so that a stepped system clock is followed), feeds the
 Prometheus metrics, and exports. A full buffer drops and counts; an exporter that is down
 or slow only ever costs that thread. Modelled on the OpenTelemetry SDK's BatchProcessor.
 """
@@ -61,6 +62,11 @@ class RecorderStats:
     exported_spans: int
     export_failures: int
     failed_spans: int
+
+
+CLOCK_STEP_NS = 100_000
+"""How far the system clock must have been stepped (against the monotonic clock) before a recorder's
+conversion follows it: far above a re-read's noise (well under 1 µs), far below what attribution resolves."""
 
 
 def wall_clock_offset_ns() -> int:
@@ -230,11 +236,22 @@ class Recorder:
         while not self._shutdown:
             self._wake.wait(self._delay_s)
             self._wake.clear()
+            self._follow_clock_steps()
             self._export_pending()
             self._sync_clock()
         self._export_pending()
         if self._clock_sync is not None:
             self._clock_sync.close()
+
+    def _follow_clock_steps(self) -> None:
+        """Follow the system clock where it is stepped (an NTP step, a VM's time sync): monotonic time
+        never is, so a process's exported times would part from every other's by each step since it
+        started. Only a real step moves the offset (over :data:`CLOCK_STEP_NS`; a re-read alone differs
+        by its noise), so two records of one instant export the same time; records taken since the last
+        export carry a step with them, off by at most one export interval's worth of stepping."""
+        offset = wall_clock_offset_ns()
+        if abs(offset - self._offset_ns) > CLOCK_STEP_NS:
+            self._offset_ns = offset
 
     def _sync_clock(self) -> None:
         """Measure this process's clock against the collector's, when due (.clock)."""

@@ -233,3 +233,19 @@ def test_noop_recorder_accepts_every_call():
     assert recorder.force_flush()
     assert recorder.stats().exported_spans == 0
     recorder.shutdown()
+
+
+def test_a_stepped_system_clock_is_followed_and_a_steady_one_left_alone(make_recorder, memory_exporter,
+                                                                         monkeypatch):
+    from kvtrace.telemetry import recorder as recorder_module
+
+    rec = make_recorder(memory_exporter, schedule_delay_ms=60_000)
+    base = rec._offset_ns
+    monkeypatch.setattr(recorder_module, "wall_clock_offset_ns", lambda: base + 50_000)  # a re-read's noise, and more
+    rec._follow_clock_steps()
+    assert rec._offset_ns == base  # two records of one instant keep exporting one time
+    monkeypatch.setattr(recorder_module, "wall_clock_offset_ns", lambda: base + 25_000_000)  # stepped 25 ms
+    rec._follow_clock_steps()
+    assert rec._offset_ns == base + 25_000_000
+    now = rec.now()
+    assert rec.to_wall_ns(now) == now + base + 25_000_000
