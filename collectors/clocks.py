@@ -370,8 +370,9 @@ class ClockAligner:
 
 
 def _pull_pairs(index):
-    """Pull with P as the reference: D had its leg after P's prefill ended; D's READ was done before
-    P saw its notification (P's ``kv.completion`` starts there)."""
+    """Pull with P as the reference: D had its leg after P's prefill ended; D posted its READ before P
+    saw the READ's notification (P's ``kv.completion`` starts there). Not the READ's end: NIXL delivers
+    the notification as the transfer completes, before D's worker next polls it and sees it done."""
     get = index.get
     lower = upper = None
     prefill, first = get((PREFILL, "prefill")), get(D_INPUT) or get((DECODE, "allocation"))
@@ -379,7 +380,7 @@ def _pull_pairs(index):
         lower = prefill.end - first.start
     read, released = get((DECODE, "read")), get((PREFILL, "completion"))
     if read is not None and released is not None:
-        upper = released.start - read.end
+        upper = released.start - read.start
     return lower, upper
 
 

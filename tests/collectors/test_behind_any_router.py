@@ -163,3 +163,18 @@ def test_an_older_contract_is_complete_for_what_it_carries(mode):
 def test_a_current_sender_that_lost_its_input_span_is_incomplete():
     breakdown = attribute(build("push", drop={"prefill:p_input"}))
     assert not breakdown.complete and breakdown.missing == ["prefill:p_input"]
+
+
+def test_ps_notification_may_beat_ds_own_view_of_the_read_without_moving_ds_clock():
+    """NIXL hands P the READ's notification as the transfer completes, before D's worker polls it done:
+    behind another router (P the clock reference) that order must not be read as D's clock running ahead."""
+    built = build("pull", drop={"router"})
+    rows = _rows(built)
+    released = next(r for r in rows if r.side == "prefill" and r.stage == "completion")
+    notified_early = released._replace(start=released.start - int(3 * MS), end=released.end - int(3 * MS))
+    rows = [notified_early if r is released else r for r in rows]  # P saw it 0.5 ms before D's read ended
+    attributor = Attributor()
+    for _ in range(20):  # as many traces as the estimator would see
+        breakdown = attributor.attribute(built.trace_id, rows)
+    assert breakdown.offsets_ns == {"prefill-0": 0, "decode-0": 0}
+    check_invariants(breakdown)
