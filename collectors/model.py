@@ -51,8 +51,6 @@ MIN_TIME_NS = 946_684_800 * 10**9
 FUTURE_SLACK_NS = 86_400 * 10**9
 _NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
 
-SIDE_OF_ROLE = semconv.SIDE_OF_ROLE
-"""``kvtrace.role`` -> side; an instance with another role is its own side, named by its service."""
 # Per side, span name -> stage: the contract's spans. A side outside it has none.
 _STAGES_OF_SIDE: dict[str, dict[str, str]] = {}
 for (_side, _name), _stage in semconv.STAGE_OF_SPAN.items():
@@ -105,7 +103,7 @@ class Origin:
         """From the resource's attributes (those in ``_RESOURCE_KEYS``) and its bytes."""
         service = str(attributes.get(semconv.RES_SERVICE_NAME) or "unknown")
         role = str(attributes.get(semconv.RES_ROLE) or "")
-        side = SIDE_OF_ROLE.get(role, service)
+        side = semconv.SIDE_OF_ROLE.get(role, service)  # another role: its own side, named by its service
         return cls(service, str(attributes.get(semconv.RES_SERVICE_INSTANCE_ID) or service), role,
                    str(attributes.get(semconv.RES_MODE) or ""), side, _STAGES_OF_SIDE.get(side, _NO_STAGES),
                    resource, str(attributes.get(semconv.RES_RUN_ID) or ""),

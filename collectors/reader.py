@@ -763,7 +763,7 @@ class StoreReader:
         if not rows:
             return None
         row = rows[0]
-        origin_ns = int(row["started_at"].timestamp() * 1e6) * 1000
+        origin_ns = _origin_ns(row)
         keys = {r["stage_key"]: r for r in self._rows("SELECT * FROM stage_keys")}
         stages = [{"side": keys[key]["side"], "stage": keys[key]["stage"], "category": keys[key]["category"],
                    "start_ms": (start - origin_ns) / 1e6, "end_ms": (end - origin_ns) / 1e6,
@@ -841,6 +841,11 @@ class StoreReader:
 
 
 
+def _origin_ns(request: dict[str, Any]) -> int:
+    """A request row's start on its reference clock, ns (stored to the µs): its stages' zero."""
+    return int(request["started_at"].timestamp() * 1e6) * 1000
+
+
 def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
     """Stages that several processes of one side recorded (tensor-parallel ranks: each rank's transfer),
     one entry per process (its ``kvtrace.tp_rank``, else its place in order of start), on the request's
@@ -855,7 +860,7 @@ def rank_stages(spans: list[dict], request: dict[str, Any]) -> list[dict]:
         first = by_stage.setdefault((side, stage), {}).get(instance)
         if first is None or span["start_ns"] < first["start_ns"]:
             by_stage[(side, stage)][instance] = span
-    origin_ns = int(request["started_at"].timestamp() * 1e6) * 1000
+    origin_ns = _origin_ns(request)
     offsets = request.get("clock_offsets") or {}
     out = []
     for (side, stage), by_instance in by_stage.items():

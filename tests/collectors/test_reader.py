@@ -17,7 +17,7 @@ from kvtrace.collectors.reader import (
     StoreReader,
     PART_COLUMNS, Filters, QueryRefused, StoreUnavailable, histogram_quantiles, open_store,
 )
-from tests.collectors.traces import MS, build
+from tests.collectors.traces import MS, build, store_of
 from tests.helpers import wait_until
 
 
@@ -243,21 +243,10 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     """A schema-6 file (before ttft_reference) is migrated when a collector opens it: its rows are kept,
     read as served by kvtrace's router, and new traces join them."""
     from kvtrace.collectors import schema
-    from kvtrace.collectors.config import CollectorConfig
-    from kvtrace.collectors.service import Collector
 
     path = tmp_path / "older.duckdb"
-
-    def collect(builts):
-        collector = Collector(CollectorConfig(db_path=str(path), grpc_port=None, http_port=0, decision_wait_s=0.0))
-        collector.start()
-        for built in builts:
-            for request in built.requests:
-                collector.consume(SpanBatch.of(request))
-        collector.shutdown()
-
     before = [build("push"), build("pull")]
-    collect(before)
+    store_of(path, before)
     con = duckdb.connect(str(path))  # what a schema-6 collector left: no ttft_reference, version 6
     con.execute("DROP VIEW IF EXISTS stages; ALTER TABLE requests DROP COLUMN ttft_reference; "
                 "UPDATE schema_version SET version = 6")
@@ -266,7 +255,7 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     with pytest.raises(StoreUnavailable, match="schema 6"):  # a reader alone does not write to it
         open_store(path).kpis(Filters())
     behind = build("pull", drop={"router"})
-    collect([behind])
+    store_of(path, [behind])
     rows = {r["trace_id"]: r["ttft_reference"] for r in open_store(path).sql(
         "SELECT trace_id, ttft_reference FROM requests").to_pylist()}
     assert rows == {before[0].trace_id: "router", before[1].trace_id: "router", behind.trace_id: "engine"}

@@ -176,3 +176,19 @@ def shuffled_span_requests(builts: list[Built], seed: int = 7) -> list:
     singles += rng.sample(singles, k=len(singles) // 5)  # some arrive twice
     rng.shuffle(singles)
     return singles
+
+
+def store_of(path, builts) -> str:
+    """A store file written by a real collector from these traces (then stopped); more traces can be added
+    to it the same way."""
+    from kvtrace.collectors.config import CollectorConfig
+    from kvtrace.collectors.model import SpanBatch
+    from kvtrace.collectors.service import Collector
+
+    collector = Collector(CollectorConfig(db_path=str(path), grpc_port=None, http_port=0, decision_wait_s=0.0))
+    collector.start()
+    for built in builts:
+        for request in built.requests:
+            collector.consume(SpanBatch.of(request))
+    collector.shutdown()
+    return str(path)

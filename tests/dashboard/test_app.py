@@ -10,28 +10,14 @@ import pytest
 
 from streamlit.testing.v1 import AppTest
 
-from kvtrace.collectors.config import CollectorConfig
-from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store
-from kvtrace.collectors.service import Collector
 from kvtrace.dashboard.launch import APP as APP_PATH
 from kvtrace.dashboard.ui import ms_short
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
-from tests.collectors.traces import MS, build
+from tests.collectors.traces import MS, build, store_of
 
 APP = str(APP_PATH)  # the installed app, by absolute path
 PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]
-
-
-def _store(path, builts) -> str:
-    """A store file written by a real collector from these traces (then stopped)."""
-    collector = Collector(CollectorConfig(db_path=str(path), grpc_port=None, http_port=0, decision_wait_s=0.0))
-    collector.start()
-    for built in builts:
-        for request in built.requests:
-            collector.consume(SpanBatch.of(request))
-    collector.shutdown()
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +27,11 @@ def stores(tmp_path_factory):
              + [build("pull", fail="read"), build("push", drop={"decode:completion"})])
     behind = [build("pull", drop={"router"}), build("push", late_rank_ms=6)]  # another router; TP 2 on P
     older = [build("push", contract=1), build("push", "kv_first", contract=1), build("pull", contract=1)]
-    return {"empty": _store(root / "empty.duckdb", []),
-            "push": _store(root / "push.duckdb", [build("push") for _ in range(3)]),
-            "mixed": _store(root / "mixed.duckdb", mixed), "mixed_traces": mixed,
-            "behind": _store(root / "behind.duckdb", behind), "behind_traces": behind,
-            "older": _store(root / "older.duckdb", older)}
+    return {"empty": store_of(root / "empty.duckdb", []),
+            "push": store_of(root / "push.duckdb", [build("push") for _ in range(3)]),
+            "mixed": store_of(root / "mixed.duckdb", mixed), "mixed_traces": mixed,
+            "behind": store_of(root / "behind.duckdb", behind), "behind_traces": behind,
+            "older": store_of(root / "older.duckdb", older)}
 
 
 def _app(monkeypatch, db: str, page: str = "overview", **query) -> AppTest:
@@ -243,13 +229,13 @@ def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
 def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_path):
     from kvtrace.collectors import reader as reader_module
 
-    db = _store(tmp_path / "many.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
+    db = store_of(tmp_path / "many.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
     at = _app(monkeypatch, db)
     k = open_store(db).kpis(Filters())
     assert k["quantiles_exact"] and _metrics(at)["TTFT p50"] == f"{k['ttft_p50_ms']:.3g} ms"
     assert any("percentiles exact" in c.value for c in at.caption)
     monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
-    db = _store(tmp_path / "more.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
+    db = store_of(tmp_path / "more.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
     at = _app(monkeypatch, db)
     assert any("log-bucketed histograms (±4 %: over 3 requests)" in c.value for c in at.caption)
     estimate = open_store(db).kpis(Filters())["ttft_p50_ms"]
