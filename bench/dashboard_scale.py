@@ -78,7 +78,7 @@ def server_side(db: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     import streamlit as st
     from streamlit.testing.v1 import AppTest
 
-    from kvtrace.collectors import reader as reader_module
+    from kvtrace.collectors.read import reader as reader_module
     from kvtrace.dashboard.launch import APP
 
     spent = [0.0]
@@ -184,7 +184,7 @@ def main() -> int:
                 Path(leftover).unlink(missing_ok=True)
             shutil.rmtree(f"{db}.kvtrace-wal", ignore_errors=True)
             build(db, args.requests)
-        from kvtrace.collectors.reader import open_store
+        from kvtrace.collectors.read import open_store
 
         count = open_store(db).sql("SELECT count(*) AS n FROM requests").to_pylist()[0]["n"]
         rollups = open_store(db).sql("SELECT (SELECT count(*) FROM request_rollup) AS r, "

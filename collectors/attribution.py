@@ -28,7 +28,7 @@ from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
     ALLOCATION, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
-    PREFILL_LEG, RELAY, ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, Breakdown, Segment,
+    PREFILL_LEG, RELAY, ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, UNLISTED_CATEGORY, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .model import SpanRow
@@ -187,7 +187,7 @@ class Attributor:
             if span.origin is not origin:  # spans of one instance share their Origin
                 origin = span.origin
                 off = offsets.get(origin.instance, 0)
-            timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], _COORDINATION))
+            timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], UNLISTED_CATEGORY))
         for key, by_rank in ranks.items():  # from the first rank's start to the last one's end
             shifted = [(s.start + offsets.get(s.origin.instance, 0), s.end + offsets.get(s.origin.instance, 0))
                        for s in by_rank.values()]

@@ -37,7 +37,15 @@ STAGE_CATEGORY = {
     # spans that enclose the request (the gateway's, vLLM's own per engine) are drawn like pd.request
     **dict.fromkeys((semconv.GATEWAY_REQUEST_LABEL, semconv.VLLM_SPAN_REQUEST), semconv.Category.ROOT.value),
 }
-"""Each stage's category, the contract's and the collector's own; a stage outside both counts as coordination."""
+"""Each stage's category, the contract's and the collector's own (:func:`category_of` for any stage)."""
+UNLISTED_CATEGORY = semconv.Category.COORDINATION.value
+"""A stage outside both counts as coordination: time the request spent on something neither P nor D computes."""
+
+
+def category_of(stage: str) -> str:
+    return STAGE_CATEGORY.get(stage, UNLISTED_CATEGORY)
+
+
 GAP = (semconv.Category.UNATTRIBUTED.value,) * 2
 """The stage key of a critical-path segment no span covers."""
 Segment = tuple[tuple[str, str], int, int]

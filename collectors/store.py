@@ -29,7 +29,7 @@ import pyarrow as pa
 from kvtrace.telemetry import semconv
 
 from . import schema
-from .breakdown import STAGE_CATEGORY, Breakdown
+from .breakdown import Breakdown, category_of
 from .model import Origin, SpanBatch, SpanColumns
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Store:
                 tables["stage_keys"] = pa.table({
                     "stage_key": pa.array(list(new_stages.values()), pa.int16()),
                     "side": [side for side, _ in new_stages], "stage": [stage for _, stage in new_stages],
-                    "category": [STAGE_CATEGORY.get(stage, "coordination") for _, stage in new_stages]})
+                    "category": [category_of(stage) for _, stage in new_stages]})
             if samples:
                 instance, sent_at, offset, bound = zip(*samples)
                 tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(

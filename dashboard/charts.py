@@ -14,7 +14,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS, length_label, point_label
+from kvtrace.collectors.read import PART_COLUMNS, PARTS, length_label, point_label
 from kvtrace.telemetry import semconv
 
 CATEGORY_COLORS = {
@@ -219,7 +219,7 @@ def order_by_pair(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no push requests")
     pairs = sorted({(r["prefill_instance"], r["decode_instance"]) for r in rows})
-    labels = [f"P {_short(p)} → D {_short(d)}" for p, d in pairs]
+    labels = [f"P {short_instance(p)} → D {short_instance(d)}" for p, d in pairs]
     data = []
     for order in sorted({r["rendezvous_order"] for r in rows}):
         counts = {(r["prefill_instance"], r["decode_instance"]): r["requests"] for r in rows
@@ -403,7 +403,7 @@ def clock_offsets(rows: Sequence[dict]) -> go.Figure:
     data = []
     for instance in sorted({r["instance"] for r in rows}):
         points = [r for r in rows if r["instance"] == instance]
-        data.append({"type": "scatter", "mode": "lines+markers", "name": _short(instance), "marker": {"size": 4},
+        data.append({"type": "scatter", "mode": "lines+markers", "name": short_instance(instance), "marker": {"size": 4},
                      "x": [p["period"] for p in points], "y": [p["offset_ms"] for p in points],
                      "error_y": {"type": "data", "symmetric": False, "thickness": 1,
                                  "array": [p["max_ms"] - p["offset_ms"] for p in points],
@@ -418,7 +418,7 @@ def measured_clocks(rows: Sequence[dict]) -> go.Figure:
     data = []
     for instance in sorted({r["instance"] for r in rows}):
         points = [r for r in rows if r["instance"] == instance]
-        data.append({"type": "scatter", "mode": "lines+markers", "name": _short(instance), "marker": {"size": 4},
+        data.append({"type": "scatter", "mode": "lines+markers", "name": short_instance(instance), "marker": {"size": 4},
                      "x": [p["period"] for p in points], "y": [p["offset_ms"] for p in points],
                      "error_y": {"type": "data", "array": [p["bound_ms"] for p in points], "thickness": 1},
                      "hovertemplate": "%{x}<br>collector − process: %{y:.3f} ms ± %{error_y.array:.3f}<extra></extra>"})
@@ -446,7 +446,7 @@ def collector_counters(rows: Sequence[dict], columns: Sequence[str], title: str)
     return _figure(data, x=_axis("time (UTC)"), y=_axis(title, rangemode="tozero"))
 
 
-def _short(instance: str) -> str:
+def short_instance(instance: str) -> str:
     """An instance id as a label: host:pid:random -> host:pid."""
     parts = instance.split(":")
     return ":".join(parts[:2]) if len(parts) >= 3 else instance

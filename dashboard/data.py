@@ -1,4 +1,4 @@
-"""The dashboard's one way to the store: a :class:`~kvtrace.collectors.reader.StoreReader`, and one
+"""The dashboard's one way to the store: a :class:`~kvtrace.collectors.read.StoreReader`, and one
 function per question the pages ask, its answer cached per (question, arguments, data version).
 
 Every page run asks the store for its data version once (a file stat or one small HTTP call),
@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import streamlit as st
 
-from kvtrace.collectors.reader import Filters, StoreReader, StoreUnavailable, open_store
+from kvtrace.collectors.read import Filters, StoreReader, StoreUnavailable, open_store
 
 from .settings import Settings
 
@@ -120,12 +120,8 @@ def slowest(f: Filters, limit: int = 20) -> pa.Table:
     return _cached("slowest", lambda r: r.slowest(f, limit), f, limit)
 
 
-def trace(trace_id: str) -> dict[str, Any] | None:
-    return _cached("trace", lambda r: r.trace(trace_id), trace_id)
-
-
-def trace_spans(trace_id: str) -> list[dict]:
-    return _cached("trace_spans", lambda r: r.trace_spans(trace_id), trace_id)
+def trace_view(trace_id: str) -> dict[str, Any] | None:
+    return _cached("trace_view", lambda r: r.trace_view(trace_id), trace_id)
 
 
 def health(f: Filters) -> dict[str, Any]:
@@ -134,6 +130,10 @@ def health(f: Filters) -> dict[str, Any]:
 
 def runs() -> list[dict]:
     return _cached("runs", lambda r: r.runs())
+
+
+def default_runs() -> tuple[str, str] | None:
+    return _cached("default_runs", lambda r: r.default_runs())
 
 
 def compare_runs(run_a: str, run_b: str) -> dict:

@@ -9,7 +9,7 @@ from typing import Any
 
 import streamlit as st
 
-from kvtrace.collectors.reader import Filters, StoreUnavailable, length_label
+from kvtrace.collectors.read import Filters, StoreUnavailable, length_label
 from kvtrace.telemetry import semconv
 
 from . import data

@@ -239,8 +239,8 @@ def _cmd_sweep(argv: list[str]) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     """``kvtrace compare`` and ``kvtrace whatif``."""
     from kvtrace.collectors.query_service import QueryRefused
-    from kvtrace.collectors.reader import StoreUnavailable, open_store
-    from kvtrace.collectors.runs import RunNotFound
+    from kvtrace.collectors.read import StoreUnavailable, open_store
+    from kvtrace.collectors.read.runs import RunNotFound
     from kvtrace.experiment import report
 
     if not args.db and not args.collector:
@@ -281,7 +281,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
-    from kvtrace.collectors.reader import StoreUnavailable, open_store
+    from kvtrace.collectors.read import StoreUnavailable, open_store
     from kvtrace.collectors.query_service import QueryRefused
 
     if not args.db and not args.collector:

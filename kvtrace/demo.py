@@ -52,7 +52,7 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 def run(modes: list[str], requests: int, max_tokens: int, db: Path, dashboard: bool, port: int) -> None:
     from kvtrace.collectors.config import CollectorConfig
-    from kvtrace.collectors.reader import Filters, open_store
+    from kvtrace.collectors.read import Filters, open_store
     from kvtrace.collectors.service import Collector
     from kvtrace.testbed.launch import LocalPair, PairConfig
     from kvtrace.testbed.model import build
@@ -92,7 +92,7 @@ def run(modes: list[str], requests: int, max_tokens: int, db: Path, dashboard: b
 
 def _report(store, f, modes: list[str]) -> None:
     """Per mode, TTFT percentiles and the critical-path split, then each stage's median and critical part."""
-    from kvtrace.collectors.reader import PART_COLUMNS
+    from kvtrace.collectors.read import PART_COLUMNS
 
     kpis = {mode: store.kpis(dataclasses.replace(f, modes=(mode,))) for mode in modes}
     rows = [{"mode": r["mode"], "requests": r["requests"], **{k: kpis[r["mode"]][k] for k in (
@@ -103,10 +103,7 @@ def _report(store, f, modes: list[str]) -> None:
                         ("ttft_p90_ms", "p90", ".1f"), ("compute_ms", "compute", ".1f"), ("queue_ms", "queue", ".1f"),
                         ("coordination_ms", "coordination", ".1f"), ("wire_ms", "wire", ".1f"),
                         ("unattributed_ms", "unattributed", ".1f")]))
-    where, params = f.where(rollup=False)
-    shares = {r["mode"]: r for r in store.sql(
-        f"SELECT mode, quantile_cont(unattributed_ms / ttft_ms, 0.5) AS p50, quantile_cont(unattributed_ms / ttft_ms, 0.9) "
-        f"AS p90 FROM requests WHERE {where} AND complete AND ttft_ms > 0 GROUP BY mode", params).to_pylist()}
+    shares = store.unattributed_shares(f)
     print("unattributed share of TTFT: " + "; ".join(
         f"{mode} p50 {shares[mode]['p50']:.1%}, p90 {shares[mode]['p90']:.1%}" for mode in modes if mode in shares))
     stages = store.stage_table(f)

@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS
+from kvtrace.collectors.read import PART_COLUMNS, PARTS
 from kvtrace.dashboard import charts, data, ui
 
 f, options = ui.page("Push vs pull",

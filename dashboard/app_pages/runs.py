@@ -16,11 +16,7 @@ if len(runs) < 2:
     st.stop()
 labels = {r["run_id"]: f"{r['mode']} · {r['run_id']} · {r['requests']} requests · {r['status']}" for r in runs}
 ids = [r["run_id"] for r in runs]
-newest = {}
-for r in runs:  # newest first: the latest run of each mode
-    newest.setdefault(r["mode"], r["run_id"])
-first = newest.get("push", ids[0])
-second = newest.get("pull", ids[1] if ids[1] != first else ids[0])
+first, second = data.default_runs()
 left, right = st.columns(2)
 run_a = left.selectbox("Run A", ids, index=ids.index(first), format_func=labels.get, key="run_a")
 run_b = right.selectbox("Run B", ids, index=ids.index(second), format_func=labels.get, key="run_b")

@@ -4,7 +4,7 @@ from datetime import datetime, timezone
 
 import streamlit as st
 
-from kvtrace.collectors.reader import length_label
+from kvtrace.collectors.read import length_label
 from kvtrace.dashboard import charts, data, ui
 
 f, options = ui.page("Slow requests",
@@ -27,21 +27,16 @@ if boxes:
     box = boxes[0]
     (x0, x1), (y0, y1) = sorted(box["x"]), sorted(box["y"])
     result = data.compare(f, _time(x0), _time(x1), float(y0), float(y1))
-    parts = result["parts"].to_pylist()
-    selected = next((r["requests"] for r in parts if r["group"] == "selected"), 0)
-    st.subheader(f"{selected:,} selected requests against the rest")
-    st.plotly_chart(charts.compare_parts(parts), key="compare_parts")
+    st.subheader(f"{result['selected']:,} selected requests against the rest")
+    st.plotly_chart(charts.compare_parts(result["parts"]), key="compare_parts")
     columns = st.columns(4)
     for column, (name, title) in zip(columns * 2, [("mode", "mode"), ("rendezvous_order", "rendezvous order"),
                                                    ("length_bucket", "prompt tokens"), ("error", "failed"),
                                                    ("prefill_instance", "prefill instance"),
                                                    ("decode_instance", "decode instance"), ("complete", "complete")]):
-        rows = result[name].to_pylist()
-        totals = {g: sum(r["requests"] for r in rows if r["group"] == g) for g in ("selected", "rest")}
-        values = sorted({r["value"] for r in rows}, key=str)
-        table = [{title: length_label(v) if name == "length_bucket" else (v if v not in ("", None) else "–"),
-                  **{f"{g} (%)": 100 * sum(r["requests"] for r in rows if r["group"] == g and r["value"] == v)
-                     / totals[g] if totals[g] else 0.0 for g in ("selected", "rest")}} for v in values]
+        table = [{title: length_label(r["value"]) if name == "length_bucket" else
+                  (r["value"] if r["value"] not in ("", None) else "–"),
+                  "selected (%)": r["selected"], "rest (%)": r["rest"]} for r in result["shares"][name]]
         column.dataframe(table, hide_index=True, column_config={
             f"{g} (%)": st.column_config.NumberColumn(format="%.0f%%") for g in ("selected", "rest")})
 else:

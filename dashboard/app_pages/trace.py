@@ -2,9 +2,8 @@
 
 import streamlit as st
 
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS, rank_stages
+from kvtrace.collectors.read import PART_COLUMNS, PARTS
 from kvtrace.dashboard import charts, data, ui
-from kvtrace.telemetry import semconv
 
 f, options = ui.page("Trace", "One request on the router's clock (P's, behind another router): each stage on the lane "
                      "of the process and thread "
@@ -23,24 +22,12 @@ if picked and picked != trace_id:
     st.query_params["trace_id"] = picked
     trace_id = picked
 
-found = data.trace(trace_id) if trace_id else None
+found = data.trace_view(trace_id) if trace_id else None
 if found is None:
     st.warning(f"No request with trace id `{trace_id}` in this store." if trace_id else "No trace selected.")
     st.stop()
 
-request, stages = found["request"], found["stages"]
-spans = data.trace_spans(trace_id)
-attributes = {}
-for span in spans:
-    key = (semconv.SIDE_OF_ROLE.get(span["resource"].get(semconv.RES_ROLE), "router"),
-           span["attributes"].get("kvtrace.stage", span["name"]))
-    attributes.setdefault(key, span)
-for stage in stages:
-    span = attributes.get((stage["side"], stage["stage"]))
-    if span is not None:
-        shown = {k: v for k, v in span["attributes"].items() if k not in ("kvtrace.category", "kvtrace.stage")}
-        stage["hover"] = "<br>" + "<br>".join(f"{k}: {v}" for k, v in sorted(shown.items())) + \
-            f"<br>instance: {span['resource'].get('service.instance.id', '')}"
+request, stages, spans, ranks = found["request"], found["stages"], found["spans"], found["ranks"]
 
 cols = st.columns(5)
 reference = request.get("ttft_reference") or "router"
@@ -55,18 +42,17 @@ settings = data.settings()
 if settings.apm_url:
     st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")
 
-ranks = rank_stages(spans, request)  # TP ranks: each one's transfer on a lane of its own
 st.plotly_chart(charts.waterfall(stages + ranks, request["ttft_ms"], reference), key="waterfall")
 if ranks:
     st.caption("Stages recorded by several processes of one side (tensor-parallel ranks) span from the first "
                "rank's start to the last one's end: the KV cache has landed when the last rank's transfer has.")
-    st.dataframe([{"stage": f"{r['side']}:{r['stage']}", "rank": r["rank"], "instance": charts._short(r["instance"]),
+    st.dataframe([{"stage": f"{r['side']}:{r['stage']}", "rank": r["rank"], "instance": charts.short_instance(r["instance"]),
                    "start (ms)": r["start_ms"], "duration (ms)": r["duration_ms"], "bytes": r["bytes"]}
                   for r in ranks], hide_index=True, column_config={
         c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)")})
 offsets = request["clock_offsets"]
 st.caption(f"Clock offsets applied to put every process on {'the router' if reference == 'router' else 'P'}'s clock: " + (
-    ", ".join(f"{charts._short(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
+    ", ".join(f"{charts.short_instance(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
     or "none") + ".")
 
 left, right = st.columns([2, 3])

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import statistics
 import time
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ import aiohttp
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvtrace.collectors.read.quantiles import quantile
 from kvtrace.telemetry import semconv
 
 TOKEN_ID_RANGE = (100, 4000)
@@ -136,13 +136,6 @@ def _error_message(body: str) -> str:
         return body[:160]
 
 
-def _quantile(values: list[int], q: float) -> int:
-    if not values:
-        return 0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 class Client:
     """Sends one streaming completion and measures it; records the client span if a tracer is given."""
 
@@ -217,8 +210,8 @@ class Client:
             attributes[semconv.CLIENT_OUTPUT_TOKENS] = outcome.output_tokens
             if outcome.itl_ns:
                 attributes[semconv.CLIENT_TPOT_NS] = outcome.tpot_ns
-                attributes[semconv.CLIENT_ITL_P50_NS] = int(statistics.median(outcome.itl_ns))
-                attributes[semconv.CLIENT_ITL_P99_NS] = _quantile(outcome.itl_ns, 0.99)
+                attributes[semconv.CLIENT_ITL_P50_NS] = round(quantile(outcome.itl_ns, 0.5))
+                attributes[semconv.CLIENT_ITL_P99_NS] = round(quantile(outcome.itl_ns, 0.99))
         else:
             span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, outcome.error))
         span.set_attributes(attributes)

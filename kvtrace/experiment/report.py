@@ -1,4 +1,4 @@
-"""What ``kvtrace compare`` and ``kvtrace whatif`` print and save (the numbers: :mod:`kvtrace.collectors.runs`)."""
+"""What ``kvtrace compare`` and ``kvtrace whatif`` print and save (the numbers: :mod:`kvtrace.collectors.read.runs`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvtrace.collectors.runs import PARTS, point_label
+from kvtrace.collectors.read.runs import PARTS, point_label
 
 
 def _ms(value: float | None) -> str:

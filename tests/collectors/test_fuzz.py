@@ -7,7 +7,7 @@ import grpc
 import requests
 
 from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.reader import open_store
+from kvtrace.collectors.read import open_store
 from kvtrace.collectors.receivers import decode_json
 from tests.collectors.test_receivers import grpc_target, http_url
 from tests.collectors.traces import build

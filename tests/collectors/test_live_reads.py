@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.reader import Filters, open_store
+from kvtrace.collectors.read import Filters, open_store
 from kvtrace.testbed.launch import free_port
 from kvtrace.testbed.synthetic import Generator, Workload
 from tests.helpers import wait_until
@@ -26,7 +26,7 @@ TRACES = 3_000
 USER_SESSION = textwrap.dedent("""
     import json, sys, time
     import duckdb
-    from kvtrace.collectors.reader import open_store
+    from kvtrace.collectors.read import open_store
     store, total, deadline = open_store(sys.argv[1]), int(sys.argv[2]), time.monotonic() + 120
     while time.monotonic() < deadline:
         requests = store.sql("SELECT mode, ttft_ms FROM requests").to_pandas()

@@ -12,11 +12,9 @@ import pytest
 
 from kvtrace.collectors import schema
 from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.query_service import endpoint_file
-from kvtrace.collectors.reader import (
-    StoreReader,
-    PART_COLUMNS, Filters, QueryRefused, StoreUnavailable, histogram_quantiles, open_store,
-)
+from kvtrace.collectors.query_service import QueryRefused, endpoint_file
+from kvtrace.collectors.read import PART_COLUMNS, Filters, StoreReader, StoreUnavailable, open_store
+from kvtrace.collectors.read.quantiles import histogram_quantiles
 from tests.collectors.traces import MS, build, store_of
 from tests.helpers import wait_until
 

@@ -10,7 +10,7 @@ import pytest
 
 from streamlit.testing.v1 import AppTest
 
-from kvtrace.collectors.reader import PART_COLUMNS, Filters, open_store
+from kvtrace.collectors.read import PART_COLUMNS, Filters, open_store
 from kvtrace.dashboard.launch import APP as APP_PATH
 from kvtrace.dashboard.ui import ms_short
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
@@ -227,7 +227,7 @@ def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
 
 
 def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_path):
-    from kvtrace.collectors import reader as reader_module
+    from kvtrace.collectors.read import reader as reader_module
 
     db = store_of(tmp_path / "many.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
     at = _app(monkeypatch, db)

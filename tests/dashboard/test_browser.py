@@ -21,7 +21,7 @@ import pytest
 from playwright import sync_api as playwright
 
 from kvtrace.dashboard.ui import ms_short
-from kvtrace.collectors.reader import Filters, open_store
+from kvtrace.collectors.read import Filters, open_store
 from kvtrace.testbed.launch import free_port
 from kvtrace.testbed.synthetic import Generator, Workload
 from tests.collectors.traces import build

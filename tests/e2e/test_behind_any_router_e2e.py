@@ -24,8 +24,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvtrace.collectors.attribution import Attributor
-from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS, Filters, open_store
+from kvtrace.collectors.model import SpanBatch, rebuild_request
+from kvtrace.collectors.read import PART_COLUMNS, PARTS, Filters, open_store
 from kvtrace.testbed.launch import PREFILL_ENGINE_ID, LocalPair, PairConfig, free_port
 from tests.e2e.pair import prompt
 from tests.e2e.proxies import GatewayInFront, ToyPullProxy, ToyPushProxy
@@ -134,7 +134,7 @@ def test_unattributed_is_at_most_five_percent_of_ttft_at_p50(served, shape):
 def _attribute(reader, trace_id: str, *, without_router: bool):
     """The trace's breakdown from its own spans (less kvtrace's router's: what the collector would make of
     the same request had the gateway sent it to the engines itself)."""
-    received = ExportTraceServiceRequest.FromString(reader.source.trace_originals(trace_id))
+    received = ExportTraceServiceRequest.FromString(rebuild_request(reader.source.trace_spans(trace_id)))
     kept = ExportTraceServiceRequest()
     for rs in received.resource_spans:
         if not without_router or \
@@ -145,7 +145,7 @@ def _attribute(reader, trace_id: str, *, without_router: bool):
 
 def _first_token_out(reader, trace_id: str) -> int:
     """When D's API server had the first token: vLLM's llm_request spans, arrival + time to first token."""
-    rows = SpanBatch.of(ExportTraceServiceRequest.FromString(reader.source.trace_originals(trace_id))).rows
+    rows = SpanBatch.of(ExportTraceServiceRequest.FromString(rebuild_request(reader.source.trace_spans(trace_id)))).rows
     return max(s.start + int(float(s.attrs["gen_ai.latency.time_to_first_token"]) * 1e9)
                for s in rows if s.name == "llm_request")
 

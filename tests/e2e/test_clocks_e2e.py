@@ -28,8 +28,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvtrace.collectors.attribution import Attributor
 from kvtrace.collectors.clocks import ClockBook
-from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.reader import PART_COLUMNS, PARTS, Filters, open_store
+from kvtrace.collectors.model import SpanBatch, rebuild_request
+from kvtrace.collectors.read import PART_COLUMNS, PARTS, Filters, open_store
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ATTRIBUTE, unshift
 from kvtrace.testbed.launch import LocalPair, PairConfig, free_port
 from kvtrace.testbed.peers import Rotel
@@ -130,7 +130,7 @@ def shifted(request, tmp_path_factory):
 
 def _true_breakdown(reader, trace_id: str):
     """The trace's spans with every shift taken out, attributed with every offset measured as 0."""
-    request = ExportTraceServiceRequest.FromString(reader.source.trace_originals(trace_id))
+    request = ExportTraceServiceRequest.FromString(rebuild_request(reader.source.trace_spans(trace_id)))
     instances = set()
     for rs in request.resource_spans:
         attributes = {a.key: a.value.string_value for a in rs.resource.attributes}

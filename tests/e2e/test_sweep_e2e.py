@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.collectors import runs as analysis
-from kvtrace.collectors.reader import open_store
+from kvtrace.collectors.read import runs as analysis
+from kvtrace.collectors.read import open_store
 from kvtrace.experiment.loadgen import Point
 from kvtrace.experiment.sweep import SweepConfig, sweep
 from kvtrace.telemetry.versions import installed_version

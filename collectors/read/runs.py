@@ -1,6 +1,6 @@
 """Sweep runs read back from the store (``kvtrace bench sweep`` records them): the numbers behind
 ``kvtrace compare``, ``kvtrace whatif`` and the dashboard's Runs page, per (prompt length, rate
-or concurrency) point. Through :class:`.reader.StoreReader` (``reader.compare_runs`` ...).
+or concurrency) point. Through :class:`.reader.StoreReader` (``reader.compare_runs`` ...); percentiles per :mod:`.quantiles`.
 
 compare: client-measured TTFT / TPOT / ITL percentiles, the trace-derived TTFT beside the
 client's (and their difference at p50), and the mean TTFT split into the breakdown's parts.
@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from . import schema
+from .. import schema
+from .quantiles import quantile
 
 PARTS = schema.PARTS
 POINT_KEY = ("point_prompt_tokens", "point_rate", "point_concurrency")
@@ -53,23 +54,27 @@ def point_label(prompt_tokens: int, rate: float | None, concurrency: int | None)
     return f"{prompt_tokens} tok @ {load}"
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (DuckDB's quantile_cont, numpy's default)."""
-    ordered = sorted(v for v in values if v is not None)
-    if not ordered:
-        return math.nan
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def list_runs(reader: Any) -> list[dict[str, Any]]:
     """Every recorded run, newest first: id, mode, status, when, and its swept requests stored."""
-    return reader.sql("""SELECT r.run_id, json_extract_string(r.config, '$.mode') AS mode,
-            json_extract_string(r.config, '$.status') AS status, r.recorded_at,
+    field = reader.dialect.json_string
+    return reader.sql(f"""SELECT r.run_id, {field('r.config', 'mode')} AS mode,
+            {field('r.config', 'status')} AS status, r.recorded_at,
             (SELECT count(*) FROM requests q WHERE q.run_id = r.run_id AND q.point_prompt_tokens IS NOT NULL)
             AS requests FROM runs r ORDER BY r.recorded_at DESC""").to_pylist()
+
+
+def default_pair(listed: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """Of :func:`list_runs`' runs (newest first), the two to compare first: the newest push run and the
+    newest pull run, else the two newest."""
+    if len(listed) < 2:
+        return None
+    ids = [r["run_id"] for r in listed]
+    newest: dict[str, str] = {}
+    for r in listed:
+        newest.setdefault(r["mode"], r["run_id"])
+    first = newest.get("push", ids[0])
+    second = newest.get("pull", ids[1] if ids[1] != first else ids[0])
+    return first, (second if second != first else next(i for i in ids if i != first))
 
 
 def run_record(reader: Any, run_id: str) -> dict[str, Any]:
