@@ -120,8 +120,8 @@ _COORDINATION = Category.COORDINATION.value
 
 
 class Attributor:
-    def __init__(self, clocks: ClockBook | None = None) -> None:
-        self.clocks = ClockAligner(clocks)
+    def __init__(self, clock_book: ClockBook | None = None) -> None:
+        self.aligner = ClockAligner(clock_book)
 
     def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown | None:
         """The trace's breakdown; None for a trace with no kvtrace span (nothing to attribute)."""
@@ -180,7 +180,7 @@ class Attributor:
         outer = _outer_span(spans, index.get(FIRST_TOKEN)) if root is None else None
         if mode not in PREDECESSORS:
             mode = "push"
-        offsets, bounds, suspect = self.clocks.align(index, root, mode, p_any, d_any, first_of, outer)
+        offsets, bounds, suspect = self.aligner.align(index, root, mode, p_any, d_any, first_of, outer)
         timings: dict[tuple[str, str], tuple[int, int, str]] = {}
         origin = off = None
         for key, span in index.items():

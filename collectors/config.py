@@ -1,11 +1,18 @@
-"""Collector configuration: one dataclass, named defaults, ``validate()`` naming the bad flag."""
+"""Collector configuration: one dataclass, named defaults, ``validate()`` naming the bad flag, and the
+``kvtrace collector`` flags that fill it (:func:`add_arguments`, :meth:`CollectorConfig.from_arguments`)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .wal import ARCHIVE_BYTES as DEFAULT_ARCHIVE_BYTES
+
+if TYPE_CHECKING:
+    from .breakdown import Breakdown
 
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
@@ -41,6 +48,16 @@ class ForwardPolicy:
             return cls(kind, value)
         raise ValueError(f"--forward-policy {text!r}: use all, errors, slow:MS or ratio:R")
 
+    def selects(self, breakdown: "Breakdown") -> bool:
+        """Whether a decided trace goes upstream under this policy (``all`` tees at ingestion instead)."""
+        if self.kind == "errors":
+            return bool(breakdown.error)
+        if self.kind == "slow":
+            return breakdown.ttft_ns >= self.value * 1e6
+        if self.kind == "ratio":  # by trace id, so every collector keeps the same traces
+            return zlib.crc32(breakdown.trace_id.encode()) / 2**32 < self.value
+        return False
+
 
 @dataclasses.dataclass
 class CollectorConfig:
@@ -65,6 +82,22 @@ class CollectorConfig:
     archive_bytes: int = DEFAULT_ARCHIVE_BYTES  # originals kept in the write-ahead log beyond what it needs
     metrics_port: int | None = None
     query_port: int | None = 0  # the read-only query endpoint; 0: any free port; None: off
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> "CollectorConfig":
+        """From :func:`add_arguments`' flags (-1 turns a port off); raises ValueError naming a bad one."""
+        return cls(
+            db_path=args.db, wal_dir=args.wal_dir, host=args.host,
+            grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+            http_port=None if args.http_port < 0 else args.http_port,
+            forward=args.forward,
+            forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
+            forward_breakdown=args.forward_breakdown, forward_critical_path=args.forward_critical_path,
+            bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
+            decision_wait_s=args.decision_wait, max_age_s=args.max_age, max_traces=args.max_traces,
+            queue_requests=args.queue_requests, max_body_bytes=args.max_body_bytes, fsync=args.fsync,
+            archive_bytes=int(args.archive_gib * 1024**3))
 
     @property
     def wal_path(self) -> str:
@@ -97,3 +130,41 @@ class CollectorConfig:
         if self.max_age_s <= 0:
             raise ValueError(f"--max-age {self.max_age_s:g}: must be > 0")
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvtrace collector``'s flags (:meth:`CollectorConfig.from_arguments` reads them back)."""
+    parser.add_argument("--db", default="kvtrace.duckdb", help="DuckDB file (default kvtrace.duckdb)")
+    parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="OTLP/gRPC port; -1: off")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OTLP/HTTP port; -1: off")
+    parser.add_argument("--forward", action="append", default=[], metavar="URL",
+                        help="upstream OTLP endpoint, repeatable: grpc://host:4317 or http://host:4318/v1/traces")
+    parser.add_argument("--forward-policy", action="append", default=[], metavar="POLICY",
+                        help="all (default), errors, slow:MS, ratio:R; repeatable (any match forwards)")
+    parser.add_argument("--no-forward-breakdown", dest="forward_breakdown", action="store_false",
+                        help="forward the spans as received only, without a kvtrace.breakdown span per trace")
+    parser.add_argument("--forward-critical-path", action="store_true",
+                        help="also forward one span per critical-path segment (clock-corrected) under the "
+                             "breakdown span, so any APM's waterfall shows the critical path")
+    parser.add_argument("--token", help="require this bearer token from senders")
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="... and this key (PEM)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--query-port", type=int, default=0,
+                        help="read-only query endpoint for dashboards and `kvtrace query` while running "
+                             "(default 0: any free port, advertised beside the store; -1: off)")
+    parser.add_argument("--decision-wait", type=float, default=DEFAULT_DECISION_WAIT_S,
+                        help="seconds to wait after a trace's last span before attributing it")
+    parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
+                        help="decide a trace at the latest this many seconds after its first span")
+    parser.add_argument("--max-traces", type=int, default=DEFAULT_MAX_TRACES,
+                        help="traces held while waiting for their decision (beyond: decided early, counted)")
+    parser.add_argument("--queue-requests", type=int, default=DEFAULT_QUEUE_REQUESTS,
+                        help="export requests waiting for the pipeline before senders are told to retry (503)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest export request accepted (413 / RESOURCE_EXHAUSTED beyond)")
+    parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
+    parser.add_argument("--archive-gib", type=float, default=DEFAULT_ARCHIVE_BYTES / 1024**3,
+                        help="keep the original requests in the write-ahead log up to this size "
+                             f"(default {DEFAULT_ARCHIVE_BYTES // 1024**3} GiB; 0: only until stored)")

@@ -1,6 +1,7 @@
 """Tee to the APM people already run: every span, unchanged, to one or more OTLP endpoints
-(and, queued by the pipeline, the ``kvtrace.breakdown`` span of each decided trace:
-:mod:`.breakdown_span`).
+(:class:`Upstream`), and what goes out once a trace is decided — its ``kvtrace.breakdown`` span
+(:mod:`.breakdown_span`), or the whole trace where a tail policy selects it
+(:class:`DecidedTraceForwarder`).
 
 Each upstream has its own bounded queue and daemon thread, so an upstream that is down or
 slow only fills its own queue (oldest dropped first, counted) and never slows ingestion or
@@ -24,6 +25,10 @@ from urllib.parse import urlparse
 
 import grpc
 import requests as http
+
+from .breakdown import Breakdown
+from .breakdown_span import BreakdownSpans
+from .model import SpanRow, rebuild_request
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +179,76 @@ class Upstream:
             raise ConnectionError(f"HTTP {response.status_code}")
         if response.status_code >= 300:
             raise PermanentForwardError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
+BREAKDOWN_BATCH_SPANS = 512  # breakdown spans per export request (tee-all mode) ...
+BREAKDOWN_BATCH_WAIT_S = 0.2  # ... or fewer, once the first has waited this long
+MAX_REVISIONS_KEPT = 100_000
+
+
+class DecidedTraceForwarder:
+    """The pipeline's last stage: what goes upstream once a trace is decided.
+
+    Tee-all (``all`` among the policies): the spans went out as received at ingestion
+    (:meth:`consume_batch`); each decided trace adds its ``kvtrace.breakdown`` span, batched into
+    export requests of :data:`BREAKDOWN_BATCH_SPANS`. Tail policies (errors, slow, ratio): a trace a
+    policy selects goes out whole, as received, with its breakdown span.
+
+    A trace decided again (late spans) whose breakdown went out gets the next revision, which names
+    the one it supersedes; one decided again without the assembler remembering it (``late`` false)
+    keeps its first breakdown, as the store does.
+    """
+
+    def __init__(self, upstreams: list[Upstream], policies: list, breakdown_spans: BreakdownSpans | None) -> None:
+        self.upstreams = upstreams
+        self.tee_all = any(p.kind == "all" for p in policies)
+        self._tail_policies = [p for p in policies if p.kind != "all"]
+        self._breakdown_spans = breakdown_spans
+        # Per forwarded trace, the revision of the last breakdown sent (bounded: the oldest go first).
+        self._revisions: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._outgoing: list[bytes] = []  # tee-all: breakdown spans waiting to go out together
+        self._outgoing_spans = 0
+        self._outgoing_since = 0.0
+
+    def consume_batch(self, payload: bytes, spans: int) -> None:
+        """Ingestion (tee-all): the export request as received, to every upstream."""
+        if self.tee_all:
+            for upstream in self.upstreams:
+                upstream.consume(payload, spans)
+
+    def consume(self, trace_id: bytes, spans: list[SpanRow], breakdown: Breakdown, late: bool) -> None:
+        revision = self._revisions.get(trace_id, 0)
+        if revision and not late:
+            return
+        if not (self.tee_all or revision or any(p.selects(breakdown) for p in self._tail_policies)):
+            return
+        encoded, count = b"", 0
+        if self._breakdown_spans is not None:
+            revision += 1
+            self._revisions[trace_id] = revision
+            self._revisions.move_to_end(trace_id)
+            if len(self._revisions) > MAX_REVISIONS_KEPT:
+                self._revisions.popitem(last=False)
+            encoded, count = self._breakdown_spans.encode(trace_id, breakdown, revision)
+        if self.tee_all:
+            if count:
+                if not self._outgoing:
+                    self._outgoing_since = time.monotonic()
+                self._outgoing.append(encoded)
+                self._outgoing_spans += count
+                if self._outgoing_spans >= BREAKDOWN_BATCH_SPANS:
+                    self.flush()
+            return
+        payload = rebuild_request(spans) + (self._breakdown_spans.request(encoded) if count else b"")
+        for upstream in self.upstreams:
+            upstream.consume(payload, len(spans) + count)
+
+    def flush(self, due_only: bool = False) -> None:
+        """Tee-all: the waiting breakdown spans as one export request to every upstream (with
+        ``due_only``, only once the batch is full or its first span has waited long enough)."""
+        if not self._outgoing or (due_only and time.monotonic() - self._outgoing_since < BREAKDOWN_BATCH_WAIT_S):
+            return
+        payload = self._breakdown_spans.request(b"".join(self._outgoing))
+        count, self._outgoing, self._outgoing_spans = self._outgoing_spans, [], 0
+        for upstream in self.upstreams:
+            upstream.consume(payload, count)

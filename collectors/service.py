@@ -1,25 +1,25 @@
-"""The collector pipeline: receivers (decode, check) → write-ahead log → store + assembler →
-attribution, with a tee to upstream APMs: the spans as received, and each decided trace's
-breakdown as one more span in it.
+"""The collector: its pipeline as a chain, each stage handed the next (the OpenTelemetry Collector's
+``consume`` shape), and the lifecycle that starts it downstream first and stops it upstream first.
 
-``consume`` (called by a receiver thread with a decoded :class:`SpanBatch`) only reserves
-queue space, appends the request's bytes to the write-ahead log and enqueues the batch;
-the sender is acknowledged after that, and a full queue answers "try again" (503 /
-UNAVAILABLE) before anything is written. One pipeline thread does the rest, so ingestion
-is decoupled from the store, the attribution and every upstream (the tee sends the bytes
-as received). Start order is downstream first; shutdown is upstream first, flushing each stage.
+    receivers ─SpanBatch─▶ Intake (write-ahead log, bounded queue; the sender is acknowledged here)
+      ─(batch, log position)─▶ SpanStage (store the spans, tee them as received, assemble)
+      ─assembled trace─▶ Decider (attribution) ─Breakdown─▶ store writer and DecidedTraceForwarder
+
+A full queue answers "try again" (503 / UNAVAILABLE) before anything is written. One pipeline
+thread runs every stage after the intake, so ingestion is decoupled from the store, the
+attribution and every upstream. After a crash the log's unapplied tail is replayed through
+the same stages (the tee and the forwarder off: those spans went out before).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import logging
 import queue
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from typing import Any
 
 from kvtrace.telemetry import semconv
@@ -31,7 +31,7 @@ from .breakdown import Breakdown
 from .breakdown_span import BreakdownSpans
 from .clocks import ClockBook
 from .config import CollectorConfig
-from .forwarder import Upstream
+from .forwarder import DecidedTraceForwarder, Upstream
 from .metrics import CollectorMetrics
 from .model import DECODER, PermanentError, SpanBatch, SpanRow, rebuild_request, spans_at
 from .query_service import QueryService
@@ -43,10 +43,6 @@ logger = logging.getLogger(__name__)
 
 
 HEALTH_INTERVAL_S = 5.0
-BREAKDOWN_BATCH_SPANS = 512  # breakdown spans per export request (tee-all mode) ...
-BREAKDOWN_BATCH_WAIT_S = 0.2  # ... or fewer, once the first has waited this long
-MAX_REVISIONS_KEPT = 100_000
-_RUN_SPAN = semconv.SPAN_RUN  # forwarded traces whose breakdown revision is remembered
 
 
 class Busy(RetryLater):
@@ -73,40 +69,142 @@ def _listening(flag: str, host: str, port: int):
                     f"pick another port, or -1 to turn it off")
 
 
+class Intake:
+    """Receiver threads' entry: reserve queue space, append the request's bytes to the write-ahead
+    log, enqueue; a full queue raises :class:`Busy` before anything is written."""
+
+    def __init__(self, wal: WriteAheadLog, metrics: CollectorMetrics, queue_requests: int) -> None:
+        self._wal = wal
+        self._metrics = metrics
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.BoundedSemaphore(queue_requests)
+
+    def consume(self, batch: SpanBatch) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._metrics.rejected("busy")
+            raise Busy("pipeline full")
+        try:
+            position = self._wal.append(batch.payload)
+        except Exception:
+            self._slots.release()
+            raise
+        self._queue.put((position, batch))
+
+    def next(self, timeout_s: float) -> tuple[tuple[int, int], SpanBatch] | None:
+        """The oldest logged request (the pipeline thread's), or None after ``timeout_s``; :meth:`done` after it."""
+        try:
+            return self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def done(self) -> None:
+        self._slots.release()
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+
+class SpanStage:
+    """Each logged request's spans: counted, buffered for the store, teed upstream as received
+    (tee-all, not on replay), and handed to the assembler."""
+
+    def __init__(self, metrics: CollectorMetrics, store: Store, forwarder: DecidedTraceForwarder | None,
+                 assembler: Assembler, replaying: Callable[[], bool]) -> None:
+        self._metrics, self._store, self._forwarder, self._assembler = metrics, store, forwarder, assembler
+        self._replaying = replaying
+
+    def consume(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
+        self._metrics.spans_received(len(batch.rows))
+        self._store.add_spans(batch, position)
+        self._assembler.add(batch.rows)
+        if self._forwarder is not None and not self._replaying():
+            self._forwarder.consume_batch(batch.payload, len(batch.rows))
+
+
+class Decider:
+    """The assembler's consumer: a run record is stored as a run; a request trace is attributed and
+    its breakdown stored, counted and forwarded (not on replay). On replay a trace's spans committed
+    before the restart join it (``stored_rows``), so its breakdown is whole."""
+
+    def __init__(self, attributor: Attributor, store: Store, metrics: CollectorMetrics,
+                 forwarder: DecidedTraceForwarder | None, replaying: Callable[[], bool],
+                 stored_rows: Callable[[str], list[SpanRow]]) -> None:
+        self.attributor, self._store, self._metrics, self._forwarder = attributor, store, metrics, forwarder
+        self._replaying, self._stored_rows = replaying, stored_rows
+
+    def consume(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
+        if spans[0].name == semconv.SPAN_RUN:  # a run record, in a trace of its own: no request to attribute
+            for span in spans:
+                if span.name == semconv.SPAN_RUN and span.origin.run_id:
+                    self._store.add_run(span.origin.run_id, str(span.attrs.get(semconv.RUN_CONFIG) or "{}"), span.end)
+            return
+        trace_hex = trace_id.hex()
+        replaying = self._replaying()
+        if replaying:
+            spans = _joined(spans, self._stored_rows(trace_hex))
+        try:
+            breakdown = self.attributor.attribute(trace_hex, spans)
+        except Exception:  # one odd trace must not stop the others (its spans are stored)
+            logger.exception("kvtrace collector: could not attribute trace %s", trace_hex)
+            self._metrics.rejected("attribution_error")
+            return
+        if breakdown is None:  # no kvtrace span (vLLM's own tracing alone): its spans are kept, no request row
+            return
+        self._store.add_breakdown(breakdown, replaces=late or replaying)
+        self._metrics.trace(breakdown, late)
+        if self._forwarder is not None and not replaying:
+            self._forwarder.consume(trace_id, spans, breakdown, late)
+
+
+def _joined(spans: list[SpanRow], stored: list[SpanRow]) -> list[SpanRow]:
+    """``spans`` and those of ``stored`` not among them (each span id once)."""
+    known = {s.span_id for s in spans}
+    extra = {row.span_id: row for row in stored if row.span_id not in known}
+    return spans + list(extra.values())
+
+
 class Collector:
+    """The pipeline's stages wired in order, its thread, its listeners and its health record."""
+
     def __init__(self, config: CollectorConfig) -> None:
         config.validate()
         self.config = config
         self.store = Store(config.db_path)
         self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync, archive_bytes=config.archive_bytes)
-        self._next_release = 0.0
         self.metrics = CollectorMetrics()
         self.clocks = ClockBook(on_sample=self.store.add_clock_sample)
-        self.attributor = Attributor(self.clocks)
-        self.assembler = Assembler(self._on_trace, decision_wait_s=config.decision_wait_s,
+        self.upstreams = [Upstream(url) for url in config.forward]
+        # The chain, last stage first: each is handed the next.
+        breakdown_spans = BreakdownSpans(segments=config.forward_critical_path,
+                                         version=installed_version("kvtrace") or "") \
+            if self.upstreams and config.forward_breakdown else None
+        self.forwarder = DecidedTraceForwarder(self.upstreams, config.forward_policies, breakdown_spans) \
+            if self.upstreams else None
+        self._replaying = False
+        replaying = lambda: self._replaying  # noqa: E731
+        self.decider = Decider(Attributor(self.clocks), self.store, self.metrics, self.forwarder, replaying,
+                               self._stored_rows)
+        self.assembler = Assembler(self.decider.consume, decision_wait_s=config.decision_wait_s,
                                    max_age_s=config.max_age_s, max_traces=config.max_traces,
                                    decided_cache=min(config.max_traces, 2_000))
-        self.upstreams = [Upstream(url) for url in config.forward]
-        self._tee_all = any(p.kind == "all" for p in config.forward_policies)
-        self._breakdown_spans = BreakdownSpans(segments=config.forward_critical_path,
-                                               version=installed_version("kvtrace") or "") \
-            if self.upstreams and config.forward_breakdown else None
-        # Per forwarded trace, the revision of the last breakdown sent (bounded: the oldest go first).
-        self._revisions: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        # Tee-all mode: breakdown spans waiting to go out together as one export request.
-        self._outgoing: list[bytes] = []
-        self._outgoing_spans = 0
-        self._outgoing_since = 0.0
-        self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.BoundedSemaphore(config.queue_requests)
+        self.spans = SpanStage(self.metrics, self.store, self.forwarder, self.assembler, replaying)
+        self.intake = Intake(self.wal, self.metrics, config.queue_requests)
         self._stop = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kvtrace-pipeline", daemon=True)
         self.receivers: list[Any] = []
         self.query_service: QueryService | None = None
-        self._replaying = False
+        self._next_release = 0.0
         self._next_health = 0.0
         self.metrics.watch(self)
+
+    @property
+    def attributor(self) -> Attributor:
+        return self.decider.attributor
+
+    def consume(self, batch: SpanBatch) -> None:
+        """What receivers call with each decoded export request (:class:`Intake`)."""
+        self.intake.consume(batch)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -161,47 +259,34 @@ class Collector:
         if self._thread.is_alive():
             self._thread.join()
         self.assembler.poll(flush_all=True)
-        self._send_breakdowns()
+        if self.forwarder is not None:
+            self.forwarder.flush()
         for upstream in self.upstreams:
             upstream.shutdown()
         self.store.add_health(self.status())  # the final counts, forwarding included
         self.store.shutdown()
         self.wal.close()
 
-    # ------------------------------------------------------------------ ingestion (receiver threads)
-
-    def consume(self, batch: SpanBatch) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.metrics.rejected("busy")
-            raise Busy("pipeline full")
-        try:
-            position = self.wal.append(batch.payload)
-        except Exception:
-            self._slots.release()
-            raise
-        self._queue.put((position, batch))
-
     # ------------------------------------------------------------------ pipeline thread
 
     def _run(self) -> None:
-        while not (self._stop.is_set() and self._queue.empty()):
-            try:
-                position, batch = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                self.assembler.poll()
-                self._send_breakdowns(due_only=True)
-                continue
-            try:
-                self._process(batch, position)
-            except Exception:
-                logger.exception("kvtrace collector: could not process a request")
-                self.metrics.rejected("processing_error")
-            finally:
-                self._slots.release()
+        while not (self._stop.is_set() and self.intake.queued() == 0):
+            logged = self.intake.next(timeout_s=0.1)
+            if logged is not None:
+                position, batch = logged
+                try:
+                    self.spans.consume(batch, position)
+                except Exception:
+                    logger.exception("kvtrace collector: could not process a request")
+                    self.metrics.rejected("processing_error")
+                finally:
+                    self.intake.done()
             self.assembler.poll()  # cheap: it looks only at traces that are ready
-            self._send_breakdowns(due_only=True)
-            self._release_log()
-            self._record_health()
+            if self.forwarder is not None:
+                self.forwarder.flush(due_only=True)
+            if logged is not None:
+                self._release_log()
+                self._record_health()
 
     def _record_health(self) -> None:
         """Every few seconds: the collector's counters into the store (the dashboard's Health page)."""
@@ -221,7 +306,7 @@ class Collector:
             "forwarded_spans": sum(u.stats.forwarded_spans for u in self.upstreams),
             "forward_failures": sum(u.stats.failures for u in self.upstreams),
             "forward_dropped": sum(u.stats.dropped for u in self.upstreams),
-            "pending_traces": self.assembler.pending(), "queued_requests": self._queue.qsize(),
+            "pending_traces": self.assembler.pending(), "queued_requests": self.intake.queued(),
             "lag_ms": (time.time() - committed) * 1e3 if committed else 0.0,
         }
 
@@ -231,91 +316,6 @@ class Collector:
         if now >= self._next_release and self.store.committed_position is not None:
             self._next_release = now + 10.0
             self.wal.release(self.store.committed_position)
-
-    def _process(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
-        self.metrics.spans_received(len(batch.rows))
-        self.store.add_spans(batch, position)
-        self.assembler.add(batch.rows)
-        if self._tee_all and not self._replaying:
-            for upstream in self.upstreams:
-                upstream.consume(batch.payload, len(batch.rows))
-
-    def _on_trace(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
-        if spans[0].name == _RUN_SPAN:  # a run record, in a trace of its own: no request to attribute
-            for span in spans:
-                if span.name == _RUN_SPAN and span.origin.run_id:
-                    self.store.add_run(span.origin.run_id, str(span.attrs.get(semconv.RUN_CONFIG) or "{}"), span.end)
-            return
-        trace_hex = trace_id.hex()
-        if self._replaying:
-            spans = self._with_stored(trace_hex, spans)
-        try:
-            breakdown = self.attributor.attribute(trace_hex, spans)
-        except Exception:  # one odd trace must not stop the others (its spans are stored)
-            logger.exception("kvtrace collector: could not attribute trace %s", trace_hex)
-            self.metrics.rejected("attribution_error")
-            return
-        if breakdown is None:  # no kvtrace span (vLLM's own tracing alone): its spans are kept, no request row
-            return
-        self.store.add_breakdown(breakdown, replaces=late or self._replaying)
-        self.metrics.trace(breakdown, late)
-        if self.upstreams and not self._replaying:
-            self._forward_decided(trace_id, spans, breakdown, late)
-
-    # ------------------------------------------------------------------ forwarding what was decided
-
-    def _forward_decided(self, trace_id: bytes, spans: list[SpanRow], breakdown: Breakdown, late: bool) -> None:
-        """Tee-all: the spans went out as received; add the trace's breakdown span. Tail policies:
-        the trace's spans as received, with its breakdown span, if a policy selects it.
-
-        A trace decided again (late spans) whose breakdown went out gets the next revision, which
-        names the one it supersedes; one decided again without the assembler remembering it
-        (``late`` false) keeps its first breakdown, as the store does."""
-        revision = self._revisions.get(trace_id, 0)
-        if revision and not late:
-            return
-        if not (self._tee_all or revision or self._selected(breakdown)):
-            return
-        encoded, count = b"", 0
-        if self._breakdown_spans is not None:
-            revision += 1
-            self._revisions[trace_id] = revision
-            self._revisions.move_to_end(trace_id)
-            if len(self._revisions) > MAX_REVISIONS_KEPT:
-                self._revisions.popitem(last=False)
-            encoded, count = self._breakdown_spans.encode(trace_id, breakdown, revision)
-        if self._tee_all:
-            if count:
-                if not self._outgoing:
-                    self._outgoing_since = time.monotonic()
-                self._outgoing.append(encoded)
-                self._outgoing_spans += count
-                if self._outgoing_spans >= BREAKDOWN_BATCH_SPANS:
-                    self._send_breakdowns()
-            return
-        payload = rebuild_request(spans) + (self._breakdown_spans.request(encoded) if count else b"")
-        for upstream in self.upstreams:
-            upstream.consume(payload, len(spans) + count)
-
-    def _send_breakdowns(self, due_only: bool = False) -> None:
-        """Tee-all: the waiting breakdown spans as one export request to every upstream (with
-        ``due_only``, only once the batch is full or its first span has waited long enough)."""
-        if not self._outgoing or (due_only and time.monotonic() - self._outgoing_since < BREAKDOWN_BATCH_WAIT_S):
-            return
-        payload = self._breakdown_spans.request(b"".join(self._outgoing))
-        count, self._outgoing, self._outgoing_spans = self._outgoing_spans, [], 0
-        for upstream in self.upstreams:
-            upstream.consume(payload, count)
-
-    def _selected(self, breakdown: Breakdown) -> bool:
-        for policy in self.config.forward_policies:
-            if policy.kind == "errors" and breakdown.error:
-                return True
-            if policy.kind == "slow" and breakdown.ttft_ns >= policy.value * 1e6:
-                return True
-            if policy.kind == "ratio" and (zlib.crc32(breakdown.trace_id.encode()) / 2**32) < policy.value:
-                return True
-        return False
 
     # ------------------------------------------------------------------ restart
 
@@ -332,7 +332,7 @@ class Collector:
                     logger.error("kvtrace collector: a logged request no longer decodes (%s); skipped", exc)
                     self.metrics.rejected("replay_undecodable")
                     continue
-                self._process(batch, position)
+                self.spans.consume(batch, position)
                 replayed += 1
             self.assembler.poll(flush_all=True)
             self.store.flush()
@@ -341,16 +341,6 @@ class Collector:
         if replayed:
             logger.info("kvtrace collector: replayed %d requests from the write-ahead log", replayed)
         self.wal.release(self.store.wal_position())
-
-    def _with_stored(self, trace_id: str, spans: list[SpanRow]) -> list[SpanRow]:
-        """Spans of this trace committed before the restart (decoded again from their originals
-        in the log), so its breakdown is whole."""
-        known = {s.span_id for s in spans}
-        for row in self._stored_rows(trace_id):
-            if row.span_id not in known:
-                known.add(row.span_id)
-                spans.append(row)
-        return spans
 
     def _stored_rows(self, trace_id: str) -> list[SpanRow]:
         """The trace's committed spans, decoded again from their originals in the log."""

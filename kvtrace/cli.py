@@ -35,68 +35,17 @@ def _cmd_contract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _collector_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtrace.collectors import config as c
-
-    parser.add_argument("--db", default="kvtrace.duckdb", help="DuckDB file (default kvtrace.duckdb)")
-    parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--grpc-port", type=int, default=c.DEFAULT_GRPC_PORT, help="OTLP/gRPC port; -1: off")
-    parser.add_argument("--http-port", type=int, default=c.DEFAULT_HTTP_PORT, help="OTLP/HTTP port; -1: off")
-    parser.add_argument("--forward", action="append", default=[], metavar="URL",
-                        help="upstream OTLP endpoint, repeatable: grpc://host:4317 or http://host:4318/v1/traces")
-    parser.add_argument("--forward-policy", action="append", default=[], metavar="POLICY",
-                        help="all (default), errors, slow:MS, ratio:R; repeatable (any match forwards)")
-    parser.add_argument("--no-forward-breakdown", dest="forward_breakdown", action="store_false",
-                        help="forward the spans as received only, without a kvtrace.breakdown span per trace")
-    parser.add_argument("--forward-critical-path", action="store_true",
-                        help="also forward one span per critical-path segment (clock-corrected) under the "
-                             "breakdown span, so any APM's waterfall shows the critical path")
-    parser.add_argument("--token", help="require this bearer token from senders")
-    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
-    parser.add_argument("--tls-key", help="... and this key (PEM)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    parser.add_argument("--query-port", type=int, default=0,
-                        help="read-only query endpoint for dashboards and `kvtrace query` while running "
-                             "(default 0: any free port, advertised beside the store; -1: off)")
-    parser.add_argument("--decision-wait", type=float, default=c.DEFAULT_DECISION_WAIT_S,
-                        help="seconds to wait after a trace's last span before attributing it")
-    parser.add_argument("--max-age", type=float, default=c.DEFAULT_MAX_AGE_S,
-                        help="decide a trace at the latest this many seconds after its first span")
-    parser.add_argument("--max-traces", type=int, default=c.DEFAULT_MAX_TRACES,
-                        help="traces held while waiting for their decision (beyond: decided early, counted)")
-    parser.add_argument("--queue-requests", type=int, default=c.DEFAULT_QUEUE_REQUESTS,
-                        help="export requests waiting for the pipeline before senders are told to retry (503)")
-    parser.add_argument("--max-body-bytes", type=int, default=c.DEFAULT_MAX_BODY_BYTES,
-                        help="largest export request accepted (413 / RESOURCE_EXHAUSTED beyond)")
-    parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
-    parser.add_argument("--archive-gib", type=float, default=c.DEFAULT_ARCHIVE_BYTES / 1024**3,
-                        help="keep the original requests in the write-ahead log up to this size "
-                             f"(default {c.DEFAULT_ARCHIVE_BYTES // 1024**3} GiB; 0: only until stored)")
-
-
 def _cmd_collector(args: argparse.Namespace) -> int:
     import logging
     import signal
     import threading
 
-    from kvtrace.collectors.config import CollectorConfig, ForwardPolicy
+    from kvtrace.collectors.config import CollectorConfig
     from kvtrace.collectors.service import Collector, PortInUse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = CollectorConfig(
-            db_path=args.db, wal_dir=args.wal_dir, host=args.host,
-            grpc_port=None if args.grpc_port < 0 else args.grpc_port,
-            http_port=None if args.http_port < 0 else args.http_port,
-            forward=args.forward,
-            forward_policies=[ForwardPolicy.parse(p) for p in args.forward_policy] or [ForwardPolicy("all")],
-            forward_breakdown=args.forward_breakdown, forward_critical_path=args.forward_critical_path,
-            bearer_token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
-            decision_wait_s=args.decision_wait, max_age_s=args.max_age, max_traces=args.max_traces,
-            queue_requests=args.queue_requests, max_body_bytes=args.max_body_bytes, fsync=args.fsync,
-            archive_bytes=int(args.archive_gib * 1024**3))
+        config = CollectorConfig.from_arguments(args)
         collector = Collector(config)
     except (ValueError, OSError) as exc:
         print(f"kvtrace collector: {exc}", file=sys.stderr)
@@ -339,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     router_module.add_arguments(router)
     router.set_defaults(func=_cmd_router)
     collector = sub.add_parser("collector", help="OTLP receiver, TTFT attribution, DuckDB store, tee to APMs")
-    _collector_arguments(collector)
+    from kvtrace.collectors import config as collector_config
+
+    collector_config.add_arguments(collector)
     collector.set_defaults(func=_cmd_collector)
     demo = sub.add_parser("demo", help="a traced 1P1D pair on this machine into the embedded collector, "
                           "push and pull; `kvtrace demo --help` for its options", add_help=False)

@@ -149,11 +149,11 @@ def test_tls(make_collector, tmp_path):
 
 def test_full_pipeline_answers_retry_later(make_collector):
     collector = make_collector(queue_requests=1)
-    collector._slots.acquire()  # the one slot is taken: as if the pipeline were busy
+    collector.intake._slots.acquire()  # the one slot is taken: as if the pipeline were busy
     try:
         assert post(collector, valid_payload()).status_code == 503
     finally:
-        collector._slots.release()
+        collector.intake._slots.release()
     assert post(collector, valid_payload()).status_code == 200
     assert collector.metrics.registry.get_sample_value(
         "kvtrace_collector_requests_rejected_total", {"reason": "busy"}) == 1
