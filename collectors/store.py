@@ -93,7 +93,7 @@ class Store:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.run_id = uuid.uuid4().hex[:12]
+        self.collector_run_id = uuid.uuid4().hex[:12]
         """This collector start's id (``collector_runs``)."""
 
     def _create_schema(self) -> None:
@@ -123,7 +123,7 @@ class Store:
     def start(self, version: str, config: dict[str, Any]) -> None:
         with self._db_lock:
             self._con.execute("INSERT INTO collector_runs VALUES (?, ?, ?, ?)",
-                              [self.run_id, datetime.now(timezone.utc), version, json.dumps(config, default=str)])
+                              [self.collector_run_id, datetime.now(timezone.utc), version, json.dumps(config, default=str)])
         self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
         self._thread.start()
 
@@ -180,7 +180,7 @@ class Store:
 
     def add_health(self, counters: dict[str, float]) -> None:
         """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
-        row = (self.run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
+        row = (self.collector_run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
         with self._lock:
             self._health.append(row)
 
@@ -222,6 +222,7 @@ class Store:
                 raise
 
     def flush(self) -> None:
+        """Commit everything buffered as one transaction (the writer thread calls this; so may a test)."""
         with self._lock:
             batches, self._batches, self._rows = self._batches, [], 0
             decided, self._breakdowns = list(self._breakdowns.values()), {}
@@ -231,45 +232,17 @@ class Store:
             position = self._position
         if not batches and not decided and not health and not samples and not runs and position is None:
             return
-        with self._db_lock:  # the origin registry is the writer's too
+        with self._db_lock:  # the origin and stage registries are the writer's too
             flush_id = self.data_version + 1
-            tables = {}  # built once, outside the transaction (and its retry)
             new_origins: dict[tuple[str, ...], int] = {}
-            if batches:
-                origin_ids = [[self._origin_id(o, new_origins) for o in columns.origins]
-                              for _, columns, _, _ in batches]
-                tables["spans"] = _span_table(batches, origin_ids)
-                tables["batches"] = pa.table({
-                    "batch_id": pa.array([batch_id for batch_id, _, _, _ in batches], pa.int64()),
-                    "collector_run_id": [self.run_id] * len(batches),
-                    "wal_segment": pa.array([p[0] if p else None for _, _, _, p in batches], pa.int32()),
-                    "wal_offset": pa.array([p[1] if p else None for _, _, _, p in batches], pa.int64()),
-                    "bytes": pa.array([size for _, _, size, _ in batches], pa.int32()),
-                    "spans": pa.array([len(columns) for _, columns, _, _ in batches], pa.int32())})
-            if new_origins:
-                tables["origins"] = pa.table({
-                    "origin_id": pa.array(list(new_origins.values()), pa.int32()),
-                    **{column: [key[i] for key in new_origins] for i, column in enumerate(_ORIGIN_COLUMNS)}})
             new_stages: dict[tuple[str, str], int] = {}
-            if decided:
-                tables["requests"] = _request_table([b for b, _ in decided], flush_id, self._stage_ids,
-                                                    lambda key: self._stage_id(key, new_stages))
-            if new_stages:
-                tables["stage_keys"] = pa.table({
-                    "stage_key": pa.array(list(new_stages.values()), pa.int16()),
-                    "side": [side for side, _ in new_stages], "stage": [stage for _, stage in new_stages],
-                    "category": [category_of(stage) for _, stage in new_stages]})
-            if samples:
-                instance, sent_at, offset, bound = zip(*samples)
-                tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(
-                    sent_at, pa.timestamp("us", tz="UTC")), "offset_ms": offset, "bound_ms": bound})
-            if runs:
-                run_ids, recorded, configs = zip(*runs)
-                tables["runs"] = pa.table({"run_id": run_ids, "recorded_at": pa.array(
-                    recorded, pa.timestamp("us", tz="UTC")), "config": configs})
-            if health:
-                tables["collector_health"] = pa.table(list(zip(*health)),
-                                                      names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
+            tables = {  # built once, outside the transaction (and its retry); an empty buffer makes no table
+                **self._span_tables(batches, new_origins),
+                **({"requests": _request_table([b for b, _ in decided], flush_id, self._stage_ids,
+                                               lambda key: self._stage_id(key, new_stages))} if decided else {}),
+                **_registry_tables(new_origins, new_stages),
+                **_record_tables(samples, runs, health),
+            }
             replaced = [b.trace_id for b, replaces in decided if replaces]
             try:
                 self._commit(tables, replaced, position, flush_id, on_conflict="")
@@ -284,6 +257,20 @@ class Store:
             self.committed_at = time.time()
         if position is not None:
             self.committed_position = position
+
+    def _span_tables(self, batches: list[tuple[int, SpanColumns, int, tuple | None]],
+                     new_origins: dict[tuple[str, ...], int]) -> dict[str, pa.Table]:
+        """``spans`` and ``batches`` for the buffered export requests (their senders' ids given on the way)."""
+        if not batches:
+            return {}
+        origin_ids = [[self._origin_id(o, new_origins) for o in columns.origins] for _, columns, _, _ in batches]
+        return {"spans": _span_table(batches, origin_ids), "batches": pa.table({
+            "batch_id": pa.array([batch_id for batch_id, _, _, _ in batches], pa.int64()),
+            "collector_run_id": [self.collector_run_id] * len(batches),
+            "wal_segment": pa.array([p[0] if p else None for _, _, _, p in batches], pa.int32()),
+            "wal_offset": pa.array([p[1] if p else None for _, _, _, p in batches], pa.int64()),
+            "bytes": pa.array([size for _, _, size, _ in batches], pa.int32()),
+            "spans": pa.array([len(columns) for _, columns, _, _ in batches], pa.int32())})}
 
     def _origin_id(self, origin: Origin, new: dict[tuple[str, ...], int]) -> int:
         """The sender's id in ``origins``; one seen for the first time gets the next id, in
@@ -319,7 +306,7 @@ class Store:
             for name, table in tables.items():
                 con.register("incoming", table)
                 conflict = on_conflict if name == "requests" else "OR REPLACE" if name == "runs" else ""
-                con.execute(_INSERT_SPANS if name == "spans" else f"INSERT {conflict} INTO {name} SELECT * FROM incoming")
+                con.execute(_INSERT_SPANS if name == "spans" else f"INSERT {conflict} INTO {name} BY NAME SELECT * FROM incoming")
                 con.unregister("incoming")
             if "requests" in tables:
                 for statement in _ADD_ROLLUPS:  # only rows this commit wrote carry its flush id
@@ -365,9 +352,41 @@ def _connect(path: str, wait_s: float = 10.0) -> duckdb.DuckDBPyConnection:
             time.sleep(0.25)
 
 
+def _registry_tables(new_origins: dict[tuple[str, ...], int], new_stages: dict[tuple[str, str], int]) -> dict[str, pa.Table]:
+    """The senders and (side, stage) keys seen for the first time in this flush."""
+    tables = {}
+    if new_origins:
+        tables["origins"] = pa.table({
+            "origin_id": pa.array(list(new_origins.values()), pa.int32()),
+            **{column: [key[i] for key in new_origins] for i, column in enumerate(_ORIGIN_COLUMNS)}})
+    if new_stages:
+        tables["stage_keys"] = pa.table({
+            "stage_key": pa.array(list(new_stages.values()), pa.int16()),
+            "side": [side for side, _ in new_stages], "stage": [stage for _, stage in new_stages],
+            "category": [category_of(stage) for _, stage in new_stages]})
+    return tables
+
+
+def _record_tables(samples: list[tuple], runs: list[tuple], health: list[tuple]) -> dict[str, pa.Table]:
+    """Clock samples, sweep-run records and the collector's health rows buffered since the last flush."""
+    tables = {}
+    if samples:
+        instance, sent_at, offset, bound = zip(*samples)
+        tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(
+            sent_at, pa.timestamp("us", tz="UTC")), "offset_ms": offset, "bound_ms": bound})
+    if runs:
+        run_ids, recorded, configs = zip(*runs)
+        tables["runs"] = pa.table({"run_id": run_ids, "recorded_at": pa.array(
+            recorded, pa.timestamp("us", tz="UTC")), "config": configs})
+    if health:
+        tables["collector_health"] = pa.table(list(zip(*health)),
+                                              names=["collector_run_id", "recorded_at", *schema.HEALTH_COLUMNS])
+    return tables
+
+
 def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[str, str], int],
                    assign: Callable[[tuple[str, str]], int]) -> pa.Table:
-    """One row per trace with its breakdown: the ``requests`` table's columns, in order."""
+    """One row per trace with its breakdown: the ``requests`` table's columns (inserted by name)."""
     now = datetime.now(timezone.utc)
     ms = 1e6
     # Each stage of each breakdown as flat lists and one offset per row: Arrow builds the list
