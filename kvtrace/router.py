@@ -173,6 +173,8 @@ class Router:
     # ------------------------------------------------------------------ one request
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """One completion through P and D: both legs (by mode), the answer (streamed or whole), an
+        OpenAI-style error where an engine fails, and the ``pd.request`` span around it all."""
         t_in = request.get(ARRIVED) or self._rec.now()
         try:
             body = await request.json()
@@ -180,87 +182,101 @@ class Router:
             return error_response(400, "request body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        ex = self._exchange(request, body, t_in)
+        try:
+            self._rec.record(ex.trace, Stage.PD_ROUTE, t_in, self._rec.now(), ex.attrs)
+            legs = self._pull_legs if self.config.mode is Mode.PULL else self._push_legs
+            first_chunk, stream = await legs(request.path, body, ex)
+            if body.get("stream"):
+                return await self._stream_answer(request, ex, first_chunk, stream)
+            return await self._whole_answer(ex, first_chunk, stream)
+        except UpstreamError as exc:
+            ex.status = exc.status
+            return error_response(exc.status, exc.message, exc.kind)
+        except asyncio.TimeoutError:
+            ex.status = 504
+            return error_response(504, "an upstream engine did not answer in time", "upstream_timeout")
+        except aiohttp.ClientError as exc:
+            ex.status = 502
+            return error_response(502, f"upstream engine unreachable: {type(exc).__name__}",
+                                  "upstream_unavailable")
+        finally:
+            self._record_request(ex)
 
+    def _exchange(self, request: web.Request, body: dict, t_in: int) -> "Exchange":
+        """The request's ids, trace (continuing the caller's, sampled by the configured sampler) and headers."""
         chat = request.path.endswith("/chat/completions")
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         parent, context = self._incoming_trace(request)
         trace = TraceRef(parent.trace_id if parent else new_trace_id(), new_span_id())  # the id of pd.request
         trace = trace._replace(sampled=self._sampler.should_sample(context, trace.trace_id, "pd.request").decision
                                .is_sampled())
-        root_parent = TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled)
         engine_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}" + ("" if chat else "-0")
-        attrs = {semconv.ATTR_REQUEST_ID: engine_id}
         headers = {"X-Request-Id": request_id, "traceparent": trace.traceparent, "Content-Type": "application/json"}
         if auth := request.headers.get("Authorization"):
             headers["Authorization"] = auth
+        return Exchange(t_in=t_in, chat=chat, engine_id=engine_id, trace=trace,
+                        root_parent=TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled),
+                        attrs={semconv.ATTR_REQUEST_ID: engine_id}, headers=headers)
 
-        response: web.StreamResponse | None = None
-        status = 200
-        first_token_ns = 0
-        decoded = DecodeProgress()
+    async def _pull_legs(self, path: str, body: dict, ex: "Exchange"):
+        """Pull: P first, then its KV params relayed to D; D's first chunk and the rest of its stream."""
+        p_params = await self._prefill(path, leg_body(*self._prefill_body(body, ex.trace)), ex.headers, ex.trace,
+                                       ex.attrs)
+        t_relay = self._rec.now()
+        p_params = {**p_params, PARAM_TRACEPARENT: ex.trace.traceparent}
+        stream = self._decode(path, body, p_params, ex.headers, ex.decoded, ex.sent)
+        first_chunk = await anext(stream)
+        self._rec.record(ex.trace, Stage.REGISTRATION, t_relay, ex.sent.get("ns", t_relay), ex.attrs)
+        return first_chunk, stream
+
+    async def _push_legs(self, path: str, body: dict, ex: "Exchange"):
+        """Push: both legs at once (D registers while P prefills); D's first chunk and the rest of its stream."""
+        prefill_body = leg_body(*self._prefill_body(body, ex.trace))
+        prefill = asyncio.ensure_future(self._prefill(path, prefill_body, ex.headers, ex.trace, ex.attrs))
+        stream = self._decode(path, body, self._push_params(ex.engine_id, ex.trace), ex.headers, ex.decoded, ex.sent)
+        decode_first = asyncio.ensure_future(anext(stream))
         try:
-            self._rec.record(trace, Stage.PD_ROUTE, t_in, self._rec.now(), attrs)
-            prefill_body = leg_body(*self._prefill_body(body, trace))
-            decode_params = self._push_params(engine_id, trace) if self.config.mode is Mode.PUSH else None
-            path = request.path
-            sent: dict[str, int] = {}  # when the decode leg left
-            if decode_params is None:  # pull: P first, then relay its params to D
-                p_params = await self._prefill(path, prefill_body, headers, trace, attrs)
-                t_relay = self._rec.now()
-                p_params = {**p_params, PARAM_TRACEPARENT: trace.traceparent}
-                stream = self._decode(path, body, p_params, headers, decoded, sent)
-                first_chunk = await anext(stream)
-                self._rec.record(trace, Stage.REGISTRATION, t_relay, sent.get("ns", t_relay), attrs)
-            else:  # push: both legs at once
-                prefill = asyncio.ensure_future(self._prefill(path, prefill_body, headers, trace, attrs))
-                stream = self._decode(path, body, decode_params, headers, decoded, sent)
-                decode_first = asyncio.ensure_future(anext(stream))
-                try:
-                    await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
-                    if prefill.done():
-                        prefill.result()  # P failed → stop waiting on D, which would wait for a push
-                    first_chunk = await decode_first  # (D failed first: its error, whatever P does)
-                finally:
-                    for task in (prefill, decode_first):
-                        if not task.done():
-                            task.cancel()
-            if body.get("stream"):  # TTFT ends as the first token leaves for the client: what it sees
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await response.prepare(request)  # (headers go out with the first chunk)
-                # Read before the write, which hands the chunk to the client's socket: read after it,
-                # a busy host could run others between the two and the router's TTFT would outlast
-                # the client's.
-                first_token_ns = self._rec.now()
-                await response.write(first_chunk)
-                self._rec.record(trace, Stage.DECODE_LEG, sent.get("ns", first_token_ns), first_token_ns, attrs)
-                async for event in stream:
-                    await response.write(event)
-                await response.write_eof()
-                return response
-            first_token_ns = self._rec.now()  # a plain response: the first token is in the router's hands
-            self._rec.record(trace, Stage.DECODE_LEG, sent.get("ns", first_token_ns), first_token_ns, attrs)
-            return web.json_response(assemble([first_chunk] + [event async for event in stream], chat))
-        except UpstreamError as exc:
-            status = exc.status
-            return error_response(exc.status, exc.message, exc.kind)
-        except asyncio.TimeoutError:
-            status = 504
-            return error_response(504, "an upstream engine did not answer in time", "upstream_timeout")
-        except aiohttp.ClientError as exc:
-            status = 502
-            return error_response(502, f"upstream engine unreachable: {type(exc).__name__}",
-                                  "upstream_unavailable")
+            await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
+            if prefill.done():
+                prefill.result()  # P failed → stop waiting on D, which would wait for a push
+            return await decode_first, stream  # (D failed first: its error, whatever P does)
         finally:
-            end = self._rec.now()
-            root_attrs = {**attrs, semconv.ATTR_HTTP_STATUS: status}
-            if first_token_ns:
-                root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = first_token_ns - t_in
-            if decoded.last_token_ns:
-                root_attrs[semconv.ATTR_ROUTER_LAST_TOKEN_NS] = decoded.last_token_ns - t_in
-            if decoded.output_tokens:
-                root_attrs[semconv.ATTR_OUTPUT_TOKENS] = decoded.output_tokens
-            self._rec.record(root_parent, Stage.PD_REQUEST, t_in, end, root_attrs, span_id=trace.span_id,
-                             error=None if status < 400 else FailureCause.UPSTREAM_ERROR.value)
+            for task in (prefill, decode_first):
+                if not task.done():
+                    task.cancel()
+
+    async def _stream_answer(self, request: web.Request, ex: "Exchange", first_chunk: bytes,
+                             stream) -> web.StreamResponse:
+        """TTFT ends as the first token leaves for the client: what it sees."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)  # (headers go out with the first chunk)
+        # Read before the write, which hands the chunk to the client's socket: read after it, a busy
+        # host could run others between the two and the router's TTFT would outlast the client's.
+        ex.first_token_ns = self._rec.now()
+        await response.write(first_chunk)
+        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.sent.get("ns", ex.first_token_ns), ex.first_token_ns, ex.attrs)
+        async for event in stream:
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+    async def _whole_answer(self, ex: "Exchange", first_chunk: bytes, stream) -> web.Response:
+        ex.first_token_ns = self._rec.now()  # a plain response: the first token is in the router's hands
+        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.sent.get("ns", ex.first_token_ns), ex.first_token_ns, ex.attrs)
+        return web.json_response(assemble([first_chunk] + [event async for event in stream], ex.chat))
+
+    def _record_request(self, ex: "Exchange") -> None:
+        """The root span, ``pd.request``: status, the router's TTFT, last token and output tokens."""
+        root_attrs = {**ex.attrs, semconv.ATTR_HTTP_STATUS: ex.status}
+        if ex.first_token_ns:
+            root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = ex.first_token_ns - ex.t_in
+        if ex.decoded.last_token_ns:
+            root_attrs[semconv.ATTR_ROUTER_LAST_TOKEN_NS] = ex.decoded.last_token_ns - ex.t_in
+        if ex.decoded.output_tokens:
+            root_attrs[semconv.ATTR_OUTPUT_TOKENS] = ex.decoded.output_tokens
+        self._rec.record(ex.root_parent, Stage.PD_REQUEST, ex.t_in, self._rec.now(), root_attrs,
+                         span_id=ex.trace.span_id, error=None if ex.status < 400 else FailureCause.UPSTREAM_ERROR.value)
 
     # ------------------------------------------------------------------ legs
 
@@ -323,6 +339,23 @@ def leg_body(body: dict, params: dict) -> bytes:
     out["kv_transfer_params"] = {**{k: v for k, v in params.items() if k != PARAM_RECEIVED},
                                  PARAM_RECEIVED: RECEIVED_PLACEHOLDER}
     return json.dumps(out).encode()
+
+
+@dataclasses.dataclass(slots=True)
+class Exchange:
+    """One request's way through the router: what its legs and its root span share."""
+
+    t_in: int
+    chat: bool
+    engine_id: str  # the id vLLM gives the request on both engines
+    trace: TraceRef  # pd.request's own span: the legs' parent
+    root_parent: TraceRef  # the caller's span, if it sent one
+    attrs: dict[str, Any]
+    headers: dict[str, str]  # to both engines
+    status: int = 200
+    first_token_ns: int = 0
+    decoded: "DecodeProgress" = dataclasses.field(default_factory=lambda: DecodeProgress())
+    sent: dict[str, int] = dataclasses.field(default_factory=dict)  # when the decode leg left
 
 
 class DecodeProgress:
