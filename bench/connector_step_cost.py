@@ -66,7 +66,7 @@ def main() -> int:
 
     logging.disable(logging.WARNING)  # the console exporter and vLLM's start-up chatter
     from kvtrace.telemetry import setup as telemetry_setup
-    from kvtrace.testbed.model import build as build_model
+    from kvtrace.testbed.recipes import build as build_model
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

@@ -55,7 +55,7 @@ def run(modes: list[str], requests: int, max_tokens: int, db: Path, dashboard: b
     from kvtrace.collectors.read import Filters, open_store
     from kvtrace.collectors.service import Collector
     from kvtrace.testbed.launch import LocalPair, PairConfig
-    from kvtrace.testbed.model import build
+    from kvtrace.testbed.recipes import build
 
     print("building the tiny local model (once; cached)...", file=sys.stderr)
     model_dir = build()

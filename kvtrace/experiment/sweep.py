@@ -252,7 +252,7 @@ def _local_collector(stack: contextlib.ExitStack, db: str | None) -> tuple[str, 
 
 def _local_pair(stack: contextlib.ExitStack, mode: str, model: str, endpoint: str, run_id: str,
                 log_dir: str | None) -> tuple[Any, dict[str, Any]]:
-    from kvtrace.testbed import model as recipes
+    from kvtrace.testbed import recipes
     from kvtrace.testbed.launch import LocalPair, PairConfig
 
     config = PairConfig(mode=mode, model=model, otlp_endpoint=endpoint, run_id=run_id,

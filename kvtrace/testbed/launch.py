@@ -28,7 +28,7 @@ from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV
 from kvtrace.telemetry.config import KVTRACE_CLOCK_ENDPOINT, KVTRACE_HASH_KEY
 from kvtrace.telemetry.semconv import RES_RUN_ID
 
-from . import model as tiny_model
+from . import recipes as tiny_model
 
 PREFILL_ENGINE_ID = "kvtrace-prefill"
 DECODE_ENGINE_ID = "kvtrace-decode"
@@ -64,7 +64,7 @@ def _ephemeral_range() -> tuple[int, int]:
 class PairConfig:
     mode: str = "push"
     model: str = tiny_model.DEFAULT_RECIPE
-    """Which local recipe to build and serve (:data:`kvtrace.testbed.model.RECIPES`)."""
+    """Which local recipe to build and serve (:data:`kvtrace.testbed.recipes.RECIPES`)."""
     model_dir: Path | None = None
     """Serve this folder instead (already built)."""
     otlp_endpoint: str | None = None

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvtrace.telemetry import setup as telemetry_setup
 from kvtrace.testbed import inproc
-from kvtrace.testbed.model import build
+from kvtrace.testbed.recipes import build
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvtrace.collectors.receivers import OtlpHttpReceiver
 from kvtrace.testbed.launch import LocalPair, PairConfig
-from kvtrace.testbed.model import kv_bytes_per_token
+from kvtrace.testbed.recipes import kv_bytes_per_token
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 TOLERANCE_NS = 2_000_000  # each process converts its monotonic clock to wall time separately
