@@ -318,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     whatif.set_defaults(func=_cmd_compare)
     query = sub.add_parser("query", help="one read-only SQL SELECT on a store, running collector or not")
     _store_arguments(query)
-    query.add_argument("sql", help="a SELECT over the store's tables: requests, stages, spans, request_rollup, ...")
+    from kvtrace.collectors import schema
+
+    query.add_argument("sql", help=f"a SELECT over the store's tables: {schema.describe()}")
     query.add_argument("--out", help="write the result to FILE.parquet or FILE.csv instead of printing it")
     query.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
     query.set_defaults(func=_cmd_query)
