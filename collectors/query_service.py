@@ -15,7 +15,7 @@ the receivers):
   rebuilt from the originals in the write-ahead log).
 
 While it serves, the collector advertises the endpoint in ``<db>.kvtrace-collector.json``
-beside the store, so :mod:`.reader` finds it from the file's path alone; the file is removed
+beside the store, so the read side (:mod:`.read.sources`) finds it from the file's path alone; the file is removed
 at shutdown. Nothing here costs the pipeline anything per span: a query costs what it reads.
 """
 

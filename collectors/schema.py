@@ -1,13 +1,13 @@
 """The store's layout in one place: its tables, views and rollups, and the columns of a breakdown.
 
 Everything here is derived from the contract (:mod:`kvtrace.telemetry.semconv`); the store
-writes these tables, :mod:`.reader` reads them, and nothing else states them again.
+writes these tables, the read side (:mod:`.read`) reads them, and nothing else states them again.
 
 * ``requests`` — one row per trace: TTFT and its parts (:data:`PART_COLUMNS`, ms), the decode
   side as the router saw it (e2e, TPOT, output tokens), transfer details, instances,
   completeness, clock offsets, and each stage of the breakdown as parallel lists
   (``stage_ids`` into ``stage_keys``, ``stage_start_ns``/``stage_end_ns`` on the router's
-  clock, ``stage_critical_ns``) — the attribution's own numbers, stored as it made them rather
+  clock (the router's; P's behind another router), ``stage_critical_ns``) — the attribution's own numbers, stored as it made them rather
   than recomputed in SQL. ``flush_id`` is the commit that wrote the row. A request a load
   generator sent (``kvtrace bench sweep``) also has its client's measures (``client_*``) and
   its point (``point_rate`` or ``point_concurrency``, ``point_prompt_tokens``); ``run_id``
@@ -21,8 +21,8 @@ writes these tables, :mod:`.reader` reads them, and nothing else states them aga
 * ``spans`` — a view: every span as received (``span_rows`` joined with ``origins``, one row
   per sender); ``batches`` says where each export request's original bytes are in the
   write-ahead log.
-* Rollups, kept up to date in the transaction that writes the requests, so no page computes
-  a percentile over raw rows: ``request_rollup`` (per minute × run × mode × prompt-length
+* Rollups, kept up to date in the transaction that writes the requests, so no page scans raw
+  rows for a chart (exact KPI percentiles of small selections do, :mod:`.read.quantiles`): ``request_rollup`` (per minute × run × mode × prompt-length
   bucket × P/D instances × completeness × rendezvous order × TTFT bucket: counts and sums),
   ``tpot_rollup`` (… × TPOT bucket) and ``stage_rollup`` (… × stage × duration bucket). The
   buckets are log-spaced (:data:`HIST_PER_OCTAVE` per doubling), so percentiles come from

@@ -1,5 +1,5 @@
 """The embedded store: a DuckDB file with raw spans, one row per request, rollups, and the
-collector's own health. The layout is :mod:`.schema`'s; readers go through :mod:`.reader`.
+collector's own health. The layout is :mod:`.schema`'s; readers go through the read side, :mod:`.read`.
 
 Rows are buffered and appended in columnar (Arrow) batches on one writer thread, never row
 by row. Each commit also records how far the write-ahead log has been applied and bumps the

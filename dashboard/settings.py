@@ -1,4 +1,5 @@
-"""What the dashboard was started with: read once from the environment ``kvtrace dashboard`` sets."""
+"""What the dashboard was started with: the environment ``kvtrace dashboard`` sets for the Streamlit
+process (:meth:`Settings.environ`), read back on each page run (:meth:`Settings.from_env`)."""
 
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_sweep(args.bench_args)
     script = Path(__file__).resolve().parent.parent / "bench" / _BENCHES[args.name]
     if not script.exists():
-        print(f"kvtrace bench: {script} not found (benchmarks run from a source checkout)",
+        print(f"kvtrace bench {args.name}: needs a source checkout of kvtrace (the benchmarks are the scripts "
+              f"in its bench/ folder, not installed; looked for {script}); `kvtrace bench sweep` works anywhere",
               file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.bench_args]

@@ -40,6 +40,11 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(target)}).stdout
     assert out.strip().startswith(str(target / "kvtrace" / "telemetry")) and out.strip().endswith(" native")
+    assert "kvtrace/collectors/read/reader.py" in names
+    # From the wheel, a benchmark says it needs a checkout (its scripts are not installed), in one line.
+    bench = subprocess.run([sys.executable, "-m", "kvtrace", "bench", "recorder"], cwd=tmp_path, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(target)})
+    assert bench.returncode == 2 and "needs a source checkout" in bench.stderr and "Traceback" not in bench.stderr
 
 
 def test_editable_install_resolves_the_root_folders(tmp_path):
