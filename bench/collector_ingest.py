@@ -46,23 +46,21 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue  # noqa:
 
 from kvtrace.testbed.peers import rotel_binary  # noqa: E402
 from kvtrace.testbed.launch import free_port  # noqa: E402
+from kvtrace.telemetry import semconv  # noqa: E402
+from kvtrace.telemetry.semconv import Side, Stage  # noqa: E402
 
 EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-STAGES = [  # (service, role, span name, stage, category)
-    ("kvtrace-router", "router", "pd.request", "pd_request", "root"),
-    ("kvtrace-router", "router", "pd.route", "pd_route", "coordination"),
-    ("vllm-prefill", "producer", "engine.queue", "p_queue", "queue"),
-    ("vllm-prefill", "producer", "engine.prefill", "prefill", "compute"),
-    ("vllm-prefill", "producer", "kv.registration", "registration", "coordination"),
-    ("vllm-prefill", "producer", "kv.rendezvous", "rendezvous", "coordination"),
-    ("vllm-prefill", "producer", "kv.descriptor_prep", "descriptor_prep", "coordination"),
-    ("vllm-prefill", "producer", "kv.write", "write", "wire"),
-    ("vllm-prefill", "producer", "kv.completion", "completion", "coordination"),
-    ("vllm-decode", "consumer", "kv.allocation", "allocation", "coordination"),
-    ("vllm-decode", "consumer", "kv.registration", "registration", "coordination"),
-    ("vllm-decode", "consumer", "kv.completion", "completion", "coordination"),
-    ("vllm-decode", "consumer", "engine.queue", "d_queue", "queue"),
-    ("vllm-decode", "consumer", "engine.first_token", "first_token", "compute"),
+_SERVICE = {"router": "kvtrace-router", "producer": "vllm-prefill", "consumer": "vllm-decode"}
+_ROLE = {side: role for role, side in semconv.SIDE_OF_ROLE.items()}
+STAGES = [  # (service, role, span name, stage label, category): a push trace's spans, named by the contract
+    (_SERVICE[_ROLE[side.value]], _ROLE[side.value], semconv.STAGES[stage].span_name, semconv.STAGE_LABELS[stage],
+     semconv.STAGES[stage].category.value)
+    for side, stage in [(Side.ROUTER, Stage.PD_REQUEST), (Side.ROUTER, Stage.PD_ROUTE), (Side.PREFILL, Stage.P_QUEUE),
+                        (Side.PREFILL, Stage.PREFILL), (Side.PREFILL, Stage.REGISTRATION),
+                        (Side.PREFILL, Stage.RENDEZVOUS), (Side.PREFILL, Stage.DESCRIPTOR_PREP),
+                        (Side.PREFILL, Stage.WRITE), (Side.PREFILL, Stage.COMPLETION), (Side.DECODE, Stage.ALLOCATION),
+                        (Side.DECODE, Stage.REGISTRATION), (Side.DECODE, Stage.COMPLETION),
+                        (Side.DECODE, Stage.D_QUEUE), (Side.DECODE, Stage.FIRST_TOKEN)]
 ]
 
 

@@ -27,8 +27,10 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
 from .breakdown import (
-    ALLOCATION, D_INPUT, D_OUTPUT, DECODE, DECODE_LEG, READ_WAIT, FIRST_TOKEN, INGRESS, P_INPUT, PREFILL,
-    PREFILL_LEG, RELAY, ROOT, ROUTE, ROUTER, GAP, STAGE_CATEGORY, UNLISTED_CATEGORY, Breakdown, Segment,
+    ALLOCATION, D_COMPLETION, D_DESCRIPTOR_PREP, D_HANDSHAKE, D_INPUT, D_OUTPUT, D_QUEUE, D_REGISTRATION, DECODE,
+    DECODE_LEG, FIRST_TOKEN, GAP, INGRESS, P_DESCRIPTOR_PREP, P_HANDSHAKE, P_INPUT, P_PREFILL, P_QUEUE, P_REGISTRATION,
+    PREFILL, PREFILL_LEG, R_REGISTRATION, READ, READ_WAIT, RELAY, RENDEZVOUS, ROOT, ROUTE, ROUTER, STAGE_CATEGORY,
+    UNLISTED_CATEGORY, WRITE, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .model import SpanRow
@@ -40,19 +42,19 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     "push": {
         DECODE_LEG: [FIRST_TOKEN],
         D_OUTPUT: [FIRST_TOKEN],
-        FIRST_TOKEN: [(DECODE, "d_queue")],
-        (DECODE, "d_queue"): [(DECODE, "completion")],
-        (DECODE, "completion"): [(PREFILL, "write")],
-        (PREFILL, "write"): [(PREFILL, "descriptor_prep")],
-        (PREFILL, "descriptor_prep"): [(PREFILL, "handshake"), (PREFILL, "rendezvous")],
-        (PREFILL, "handshake"): [(PREFILL, "rendezvous")],
-        (PREFILL, "rendezvous"): [(PREFILL, "prefill"), (PREFILL, "registration")],
-        (PREFILL, "registration"): [(DECODE, "registration")],
-        (DECODE, "registration"): [(DECODE, "allocation")],
-        (DECODE, "allocation"): [D_INPUT, ROUTE, INGRESS],
+        FIRST_TOKEN: [D_QUEUE],
+        D_QUEUE: [D_COMPLETION],
+        D_COMPLETION: [WRITE],
+        WRITE: [P_DESCRIPTOR_PREP],
+        P_DESCRIPTOR_PREP: [P_HANDSHAKE, RENDEZVOUS],
+        P_HANDSHAKE: [RENDEZVOUS],
+        RENDEZVOUS: [P_PREFILL, P_REGISTRATION],
+        P_REGISTRATION: [D_REGISTRATION],
+        D_REGISTRATION: [ALLOCATION],
+        ALLOCATION: [D_INPUT, ROUTE, INGRESS],
         D_INPUT: [ROUTE, INGRESS],
-        (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [P_INPUT, ROUTE, INGRESS],
+        P_PREFILL: [P_QUEUE],
+        P_QUEUE: [P_INPUT, ROUTE, INGRESS],
         P_INPUT: [ROUTE, INGRESS],
         ROUTE: [],
         INGRESS: [],
@@ -60,32 +62,31 @@ PREDECESSORS: dict[str, dict[tuple[str, str], list[tuple[str, str]]]] = {
     "pull": {
         DECODE_LEG: [FIRST_TOKEN],
         D_OUTPUT: [FIRST_TOKEN],
-        FIRST_TOKEN: [(DECODE, "d_queue")],
-        (DECODE, "d_queue"): [(DECODE, "completion")],
-        (DECODE, "completion"): [(DECODE, "read")],
-        (DECODE, "read"): [(DECODE, "descriptor_prep")],
-        (DECODE, "descriptor_prep"): [(DECODE, "handshake"), READ_WAIT, (DECODE, "allocation")],
-        (DECODE, "handshake"): [READ_WAIT, (DECODE, "allocation")],
-        READ_WAIT: [(DECODE, "allocation")],
-        (DECODE, "allocation"): [D_INPUT, RELAY, (ROUTER, "registration")],
-        D_INPUT: [RELAY, (ROUTER, "registration")],
-        RELAY: [(PREFILL, "prefill")],
-        (ROUTER, "registration"): [PREFILL_LEG, (PREFILL, "prefill")],
-        PREFILL_LEG: [(PREFILL, "prefill")],
-        (PREFILL, "prefill"): [(PREFILL, "p_queue")],
-        (PREFILL, "p_queue"): [P_INPUT, ROUTE, INGRESS],
+        FIRST_TOKEN: [D_QUEUE],
+        D_QUEUE: [D_COMPLETION],
+        D_COMPLETION: [READ],
+        READ: [D_DESCRIPTOR_PREP],
+        D_DESCRIPTOR_PREP: [D_HANDSHAKE, READ_WAIT, ALLOCATION],
+        D_HANDSHAKE: [READ_WAIT, ALLOCATION],
+        READ_WAIT: [ALLOCATION],
+        ALLOCATION: [D_INPUT, RELAY, R_REGISTRATION],
+        D_INPUT: [RELAY, R_REGISTRATION],
+        RELAY: [P_PREFILL],
+        R_REGISTRATION: [PREFILL_LEG, P_PREFILL],
+        PREFILL_LEG: [P_PREFILL],
+        P_PREFILL: [P_QUEUE],
+        P_QUEUE: [P_INPUT, ROUTE, INGRESS],
         P_INPUT: [ROUTE, INGRESS],
         ROUTE: [],
         INGRESS: [],
     },
 }
-OPTIONAL = {(PREFILL, "handshake"), (DECODE, "handshake")}  # once per remote engine, not per request
+OPTIONAL = {P_HANDSHAKE, D_HANDSHAKE}  # once per remote engine, not per request
 DERIVED = {INGRESS, RELAY, D_OUTPUT}  # the collector's, not spans: never expected, never bridged through (the
 # relay never stands in for the router's registration)
 EXPECTED = {mode: (set(graph) | {ROOT}) - OPTIONAL - DERIVED for mode, graph in PREDECESSORS.items()}
 """What a trace served by kvtrace's router, recorded with today's contract, has."""
-_ROUTER_KEYS = frozenset((ROUTER, semconv.STAGE_LABELS[stage]) for stage in semconv.ROUTER_STAGES) | {
-    (ROUTER, semconv.STAGE_LABELS[semconv.Stage.REGISTRATION])}
+_ROUTER_KEYS = frozenset((ROUTER, semconv.STAGE_LABELS[stage]) for stage in semconv.ROUTER_STAGES) | {R_REGISTRATION}
 _SINCE = {(side.value, semconv.STAGE_LABELS[stage]): version for stage, version in semconv.STAGE_SINCE.items()
           for side in semconv.STAGES[stage].sides}
 _CONTRACT_SIDES = frozenset({ROUTER, PREFILL, DECODE})
@@ -200,7 +201,7 @@ class Attributor:
             end = start + int(ttft) if ttft else (first[1] if first else root.end)
         else:
             reference = _GATEWAY_REF if outer is not None else _ENGINE_REF
-            p_first = timings.get(P_INPUT) or timings.get((PREFILL, "p_queue"))
+            p_first = timings.get(P_INPUT) or timings.get(P_QUEUE)
             if outer is not None:  # the gateway's span: the request as it saw it, under a name of its own
                 start = outer.start + offsets.get(outer.origin.instance, 0)
                 outer_key = (outer.origin.side, outer.stage)
@@ -373,9 +374,9 @@ def _first_token_out(spans: list[SpanRow], d_offset: int) -> int:
 
 def _add_relay(timings: dict[tuple[str, str], tuple[int, int, str]]) -> None:
     """Pull behind another router: name the time from P's prefill ending to D having the request."""
-    if (ROUTER, "registration") in timings:
+    if R_REGISTRATION in timings:
         return
-    prefill, arrived = timings.get((PREFILL, "prefill")), timings.get(D_INPUT) or timings.get(ALLOCATION)
+    prefill, arrived = timings.get(P_PREFILL), timings.get(D_INPUT) or timings.get(ALLOCATION)
     if prefill is not None and arrived is not None and arrived[0] >= prefill[1]:
         timings[RELAY] = (prefill[1], arrived[0], _COORDINATION)
 

@@ -14,17 +14,39 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Side, Stage
 
 ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Side.DECODE))
-ROUTE = (ROUTER, semconv.STAGE_LABELS[Stage.PD_ROUTE])
-ROOT = (ROUTER, semconv.STAGE_LABELS[Stage.PD_REQUEST])
-FIRST_TOKEN = (DECODE, semconv.STAGE_LABELS[Stage.FIRST_TOKEN])
-ALLOCATION = (DECODE, semconv.STAGE_LABELS[Stage.ALLOCATION])
-D_COMPLETION = (DECODE, semconv.STAGE_LABELS[Stage.COMPLETION])
 
-DECODE_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.DECODE_LEG])
-PREFILL_LEG = (ROUTER, semconv.STAGE_LABELS[Stage.PREFILL_LEG])
-P_INPUT = (PREFILL, semconv.STAGE_LABELS[Stage.P_INPUT])
-D_INPUT = (DECODE, semconv.STAGE_LABELS[Stage.D_INPUT])
-READ_WAIT = (DECODE, semconv.STAGE_LABELS[Stage.READ_WAIT])
+
+def contract_key(side: str, stage: Stage) -> tuple[str, str]:
+    """A contract stage's key on one side: ``contract_key(PREFILL, Stage.WRITE)`` is ``("prefill", "write")``."""
+    return (side, semconv.STAGE_LABELS[stage])
+
+
+# Every contract stage's key, by where it is recorded (R_, P_, D_ where a stage has several sides).
+ROOT = contract_key(ROUTER, Stage.PD_REQUEST)
+ROUTE = contract_key(ROUTER, Stage.PD_ROUTE)
+PREFILL_LEG = contract_key(ROUTER, Stage.PREFILL_LEG)
+R_REGISTRATION = contract_key(ROUTER, Stage.REGISTRATION)
+DECODE_LEG = contract_key(ROUTER, Stage.DECODE_LEG)
+P_INPUT = contract_key(PREFILL, Stage.P_INPUT)
+P_QUEUE = contract_key(PREFILL, Stage.P_QUEUE)
+P_PREFILL = contract_key(PREFILL, Stage.PREFILL)
+P_REGISTRATION = contract_key(PREFILL, Stage.REGISTRATION)
+RENDEZVOUS = contract_key(PREFILL, Stage.RENDEZVOUS)
+P_HANDSHAKE = contract_key(PREFILL, Stage.HANDSHAKE)
+P_DESCRIPTOR_PREP = contract_key(PREFILL, Stage.DESCRIPTOR_PREP)
+WRITE = contract_key(PREFILL, Stage.WRITE)
+P_COMPLETION = contract_key(PREFILL, Stage.COMPLETION)
+D_INPUT = contract_key(DECODE, Stage.D_INPUT)
+ALLOCATION = contract_key(DECODE, Stage.ALLOCATION)
+READ_WAIT = contract_key(DECODE, Stage.READ_WAIT)
+D_REGISTRATION = contract_key(DECODE, Stage.REGISTRATION)
+D_HANDSHAKE = contract_key(DECODE, Stage.HANDSHAKE)
+D_DESCRIPTOR_PREP = contract_key(DECODE, Stage.DESCRIPTOR_PREP)
+READ = contract_key(DECODE, Stage.READ)
+D_COMPLETION = contract_key(DECODE, Stage.COMPLETION)
+D_QUEUE = contract_key(DECODE, Stage.D_QUEUE)
+FIRST_TOKEN = contract_key(DECODE, Stage.FIRST_TOKEN)
+# The collector's own stages: derived from spans' times, no span of their own.
 INGRESS = (ROUTER, semconv.INGRESS_LABEL)
 """Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
 RELAY = (ROUTER, semconv.RELAY_LABEL)

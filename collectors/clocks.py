@@ -32,7 +32,10 @@ from typing import Any
 
 from kvtrace.telemetry import semconv
 
-from .breakdown import DECODE, DECODE_LEG, D_INPUT, FIRST_TOKEN, P_INPUT, PREFILL, PREFILL_LEG, ROUTE, ROUTER
+from .breakdown import (
+    ALLOCATION, D_COMPLETION, D_INPUT, D_REGISTRATION, DECODE_LEG, FIRST_TOKEN, P_COMPLETION, P_INPUT, P_PREFILL,
+    P_QUEUE, P_REGISTRATION, PREFILL_LEG, R_REGISTRATION, READ, ROUTE, ROUTER, WRITE,
+)
 
 WINDOW = 64
 MAX_SENDERS = 10_000
@@ -335,18 +338,18 @@ class ClockAligner:
         route_end = route.end if route is not None else root.start
         ttft = root.attrs.get(_TTFT)
         first_token_at_router = root.start + int(ttft) if ttft else root.end
-        relay = get((ROUTER, "registration"))  # pull: P's params relayed to D
+        relay = get(R_REGISTRATION)  # pull: P's params relayed to D
         p_offset = 0
         if p_any is not None:
-            first = get(P_INPUT) or get((PREFILL, "p_queue"))
+            first = get(P_INPUT) or get(P_QUEUE)
             lower = route_end - first.start if first is not None else None
-            prefill, leg = get((PREFILL, "prefill")), get(PREFILL_LEG)
+            prefill, leg = get(P_PREFILL), get(PREFILL_LEG)
             answered = leg.end if leg is not None else relay.start if relay is not None else first_token_at_router
             upper = answered - prefill.end if prefill is not None else None
             p_offset = place(p_any, lower, upper)
         if d_any is not None:
             sent = relay.end if mode == "pull" and relay is not None else route_end
-            first = get(D_INPUT) or get((DECODE, "allocation"))
+            first = get(D_INPUT) or get(ALLOCATION)
             lower = sent - first.start if first is not None else None
             token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
             back = leg.end if leg is not None else first_token_at_router
@@ -359,7 +362,7 @@ class ClockAligner:
         after D's first token."""
         get = index.get
         upper = lower = None
-        p_first = get(P_INPUT) or get((PREFILL, "p_queue"))
+        p_first = get(P_INPUT) or get(P_QUEUE)
         if p_first is not None:
             upper = p_first.start + offsets.get(p_first.origin.instance, 0) - outer.start
         token = get(FIRST_TOKEN)
@@ -375,10 +378,10 @@ def _pull_pairs(index):
     the notification as the transfer completes, before D's worker next polls it and sees it done."""
     get = index.get
     lower = upper = None
-    prefill, first = get((PREFILL, "prefill")), get(D_INPUT) or get((DECODE, "allocation"))
+    prefill, first = get(P_PREFILL), get(D_INPUT) or get(ALLOCATION)
     if prefill is not None and first is not None:
         lower = prefill.end - first.start
-    read, released = get((DECODE, "read")), get((PREFILL, "completion"))
+    read, released = get(READ), get(P_COMPLETION)
     if read is not None and released is not None:
         upper = released.start - read.start
     return lower, upper
@@ -387,11 +390,11 @@ def _pull_pairs(index):
 def _tighten_with_prefill(index, p_offset: int, lower, upper):
     """Push: D's registration left before P received it; P posted the WRITE before D saw it land."""
     get = index.get
-    d_reg, p_reg = get((DECODE, "registration")), get((PREFILL, "registration"))
+    d_reg, p_reg = get(D_REGISTRATION), get(P_REGISTRATION)
     if d_reg is not None and p_reg is not None:
         bound = p_reg.start + p_offset - d_reg.end
         upper = bound if upper is None else min(upper, bound)
-    write, d_done = get((PREFILL, "write")), get((DECODE, "completion"))
+    write, d_done = get(WRITE), get(D_COMPLETION)
     if write is not None and d_done is not None:
         bound = write.start + p_offset - d_done.start
         lower = bound if lower is None else max(lower, bound)

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import schema
+from ..breakdown import (
+    ALLOCATION, D_INPUT, D_REGISTRATION, P_INPUT, P_PREFILL, P_QUEUE, P_REGISTRATION, PREFILL_LEG, R_REGISTRATION,
+    READ_WAIT, RENDEZVOUS,
+)
 from .quantiles import quantile
 
 PARTS = schema.PARTS
@@ -36,11 +40,8 @@ POINT_KEY = ("point_prompt_tokens", "point_rate", "point_concurrency")
 QUANTILES = (0.5, 0.9, 0.99)
 # The stages between routing and the transfer, per mode: measured from their critical time.
 MIDDLE = {
-    "push": {("prefill", "p_input"), ("prefill", "p_queue"), ("prefill", "prefill"), ("decode", "d_input"),
-             ("decode", "allocation"), ("decode", "registration"), ("prefill", "registration"),
-             ("prefill", "rendezvous")},
-    "pull": {("prefill", "p_input"), ("prefill", "p_queue"), ("prefill", "prefill"), ("router", "prefill_leg"),
-             ("router", "registration"), ("decode", "d_input"), ("decode", "allocation"), ("decode", "read_wait")},
+    "push": {P_INPUT, P_QUEUE, P_PREFILL, D_INPUT, ALLOCATION, D_REGISTRATION, P_REGISTRATION, RENDEZVOUS},
+    "pull": {P_INPUT, P_QUEUE, P_PREFILL, PREFILL_LEG, R_REGISTRATION, D_INPUT, ALLOCATION, READ_WAIT},
 }
 OTHER = {"push": "pull", "pull": "push"}
 
@@ -166,21 +167,21 @@ def stage_table(reader: Any, run_id: str) -> dict[str, dict[tuple[str, str], tup
     return out
 
 
-def _duration(stages: dict, key: tuple[str, str]) -> float:
+def _duration(stages: dict, stage_key: tuple[str, str]) -> float:
     """A stage's duration in ms (0 where the trace lacks it)."""
-    found = stages.get(key)
+    found = stages.get(stage_key)
     return (found[1] - found[0]) / 1e6 if found else 0.0
 
 
 def estimate_other_mode(mode: str, ttft_ms: float, stages: dict[tuple[str, str], tuple[int, int, float]]) -> float:
     """TTFT this request would have had in the other mode (the module's model)."""
     measured_middle = sum(stages[k][2] for k in MIDDLE[mode] if k in stages)
-    p_head = sum(_duration(stages, ("prefill", s)) for s in ("p_input", "p_queue", "prefill"))
-    d_head = _duration(stages, ("decode", "d_input")) + _duration(stages, ("decode", "allocation"))
+    p_head = sum(_duration(stages, k) for k in (P_INPUT, P_QUEUE, P_PREFILL))
+    d_head = _duration(stages, D_INPUT) + _duration(stages, ALLOCATION)
     if mode == "pull":  # to push: D's side runs beside P's
         other_middle = max(p_head, d_head)
     else:  # to pull: one after the other, with P's answer back at the router between them
-        prefill, leg = stages.get(("prefill", "prefill")), stages.get(("router", "prefill_leg"))
+        prefill, leg = stages.get(P_PREFILL), stages.get(PREFILL_LEG)
         answer_back = max(0, leg[1] - prefill[1]) / 1e6 if prefill and leg else 0.0
         other_middle = p_head + answer_back + d_head
     return ttft_ms - measured_middle + other_middle
