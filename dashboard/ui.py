@@ -14,6 +14,16 @@ from kvtrace.telemetry import semconv
 
 from . import data
 
+
+def side_by_side(*panels: tuple) -> None:
+    """Charts in equal columns, each panel ``(title, figure, key)`` or ``(title, figure, key, caption)``."""
+    for column, (title, figure, key, *caption) in zip(st.columns(len(panels)), panels):
+        with column:
+            st.subheader(title)
+            st.plotly_chart(figure, key=key)
+            if caption:
+                st.caption(caption[0])
+
 WINDOWS = {"all": None, "15m": timedelta(minutes=15), "1h": timedelta(hours=1), "6h": timedelta(hours=6),
            "24h": timedelta(hours=24), "7d": timedelta(days=7)}
 WINDOW_LABELS = {"all": "All data", "15m": "Last 15 minutes", "1h": "Last hour", "6h": "Last 6 hours",

@@ -34,12 +34,12 @@ class Filters:
         a = alias
         clauses, params = [], []
         time_column = f"{a}minute" if rollup else f"{a}started_at"
-        if self.since is not None:
-            clauses.append(f"{time_column} >= ?")
-            params.append(self.since)
-        if self.until is not None:
-            clauses.append(f"{time_column} < ?")
-            params.append(self.until)
+        length = f"{a}length_bucket" if rollup else f"({schema.LENGTH_BUCKET_SQL.replace('prompt_tokens', a + 'prompt_tokens')})"
+        for column, bound, value in ((time_column, ">=", self.since), (time_column, "<", self.until),
+                                     (length, ">=", self.min_length_bucket), (length, "<=", self.max_length_bucket)):
+            if value is not None:
+                clauses.append(f"{column} {bound} ?")
+                params.append(value)
         for column, values in ((f"{a}mode", self.modes), (f"{a}run_id", self.runs)):
             if values:
                 clauses.append(f"{column} IN ({', '.join('?' * len(values))})")
@@ -48,13 +48,6 @@ class Filters:
             marks = ", ".join("?" * len(self.instances))
             clauses.append(f"({a}prefill_instance IN ({marks}) OR {a}decode_instance IN ({marks}))")
             params += list(self.instances) * 2
-        length = f"{a}length_bucket" if rollup else f"({schema.LENGTH_BUCKET_SQL.replace('prompt_tokens', a + 'prompt_tokens')})"
-        if self.min_length_bucket is not None:
-            clauses.append(f"{length} >= ?")
-            params.append(self.min_length_bucket)
-        if self.max_length_bucket is not None:
-            clauses.append(f"{length} <= ?")
-            params.append(self.max_length_bucket)
         return " AND ".join(clauses) or "TRUE", params
 
 

@@ -15,12 +15,8 @@ for col, row in zip(cols, rows):
     col.caption(f"p90 {ui.ms(row['tpot_p90_ms'], 2)} · connector on the loop "
                 f"{ui.ms(row['engine_loop_ms_per_request'], 3)} per request, "
                 f"{row['engine_loop_us_per_token'] or 0:.1f} µs per output token")
-left, right = st.columns(2)
-with left:
-    st.subheader("Time per output token")
-    st.plotly_chart(charts.tpot_bars(rows), key="tpot")
-with right:
-    st.subheader("Connector time on the loop against TPOT, per request")
-    st.plotly_chart(charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), key="loop_tpot")
+ui.side_by_side(("Time per output token", charts.tpot_bars(rows), "tpot"),
+                ("Connector time on the loop against TPOT, per request",
+                 charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), "loop_tpot"))
 st.caption("TPOT as the router saw it: (last token − first token) / (output tokens − 1). Engine-loop time: the "
            "connector's calls on D's loop attributed to the request (pull's descriptor prep and READ post).")

@@ -9,18 +9,14 @@ f, options = ui.page("Health", "Clock offsets between processes, incomplete trac
 
 health = data.health(f)
 suspect = health["suspect"].to_pylist()[0]
-left, right = st.columns(2)
-with left:
-    st.subheader("Each process's clock, measured")
-    st.plotly_chart(charts.measured_clocks(health["measured"].to_pylist()), key="measured")
-    st.caption("From the clock exchange every process runs with the collector: the offset and its error bound "
-               "(half the exchange's round trip). " + (
-                   f"{ui.count(suspect['suspect'])} of {ui.count(suspect['requests'])} traces had span order that "
-                   "contradicts a measured offset (clock_suspect)." if suspect["requests"] else ""))
-with right:
-    st.subheader("Offsets applied, per instance")
-    st.plotly_chart(charts.clock_offsets(health["clocks"].to_pylist()), key="clocks")
-    st.caption("What was added to each process's times to put them on its router's clock (mean per interval).")
+ui.side_by_side(
+    ("Each process's clock, measured", charts.measured_clocks(health["measured"].to_pylist()), "measured",
+     "From the clock exchange every process runs with the collector: the offset and its error bound (half the "
+     "exchange's round trip). " + (f"{ui.count(suspect['suspect'])} of {ui.count(suspect['requests'])} traces had "
+                                   "span order that contradicts a measured offset (clock_suspect)."
+                                   if suspect["requests"] else "")),
+    ("Offsets applied, per instance", charts.clock_offsets(health["clocks"].to_pylist()), "clocks",
+     "What was added to each process's times to put them on its router's clock (mean per interval)."))
 left, right = st.columns(2)
 with left:
     st.subheader("Unattributed share of TTFT")
@@ -36,15 +32,12 @@ with right:
         st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
 
 collector = health["collector"].to_pylist()
-left, right = st.columns(2)
-with left:
-    st.subheader("Collector: refused, dropped, forwarded")
-    st.plotly_chart(charts.collector_counters(collector, ["requests_rejected", "forward_dropped", "forward_failures",
-                                                          "forwarded_spans"], "count since start"), key="counters")
-with right:
-    st.subheader("Collector: lag and backlog")
-    st.plotly_chart(charts.collector_counters(collector, ["lag_ms", "pending_traces", "queued_requests"],
-                                              "ms / traces / requests"), key="lag")
+ui.side_by_side(
+    ("Collector: refused, dropped, forwarded", charts.collector_counters(
+        collector, ["requests_rejected", "forward_dropped", "forward_failures", "forwarded_spans"], "count since start"),
+     "counters"),
+    ("Collector: lag and backlog", charts.collector_counters(
+        collector, ["lag_ms", "pending_traces", "queued_requests"], "ms / traces / requests"), "lag"))
 if collector:
     last = collector[-1]
     st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "

@@ -32,13 +32,8 @@ def kpi_strip() -> None:
 kpi_strip()
 
 by_mode = data.parts_by_mode(f).to_pylist()
-left, right = st.columns(2)
-with left:
-    st.subheader("Share of TTFT, by mode")
-    st.plotly_chart(charts.stacked_parts(by_mode, share=True), key="share_by_mode")
-with right:
-    st.subheader("Mean TTFT and its parts, by mode")
-    st.plotly_chart(charts.stacked_parts(by_mode), key="ms_by_mode")
+ui.side_by_side(("Share of TTFT, by mode", charts.stacked_parts(by_mode, share=True), "share_by_mode"),
+                ("Mean TTFT and its parts, by mode", charts.stacked_parts(by_mode), "ms_by_mode"))
 
 st.subheader("A typical request against the slowest 1 %")
 st.caption("Mean parts of the requests around the median TTFT and of those above the 99th percentile: "

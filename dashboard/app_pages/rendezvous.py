@@ -12,20 +12,11 @@ f, options = ui.page("Rendezvous and early binding",
 if "push" not in options["modes"]:
     st.info("No push requests in this store: the rendezvous exists in push mode only.")
 rendezvous = data.rendezvous(f)
-left, right = st.columns(2)
-with left:
-    st.subheader("Which half arrived first, over time")
-    st.plotly_chart(charts.order_over_time(rendezvous["over_time"].to_pylist()), key="order_time")
-with right:
-    st.subheader("Per prefill × decode pair")
-    st.plotly_chart(charts.order_by_pair(rendezvous["by_pair"].to_pylist()), key="order_pair")
-
-left, right = st.columns(2)
-with left:
-    st.subheader("Coordination given the order")
-    st.plotly_chart(charts.coordination_by_order(rendezvous["by_order"].to_pylist()), key="order_coord")
-with right:
-    st.subheader("What early binding costs: KV blocks held on D")
-    st.plotly_chart(charts.kv_hold(data.kv_hold(f).to_pylist()), key="kv_hold")
-    st.caption("From D's allocation to the transfer's completion on D: in push D allocates while P prefills, "
-               "in pull only after. Block·seconds = blocks allocated × time held.")
+ui.side_by_side(
+    ("Which half arrived first, over time", charts.order_over_time(rendezvous["over_time"].to_pylist()), "order_time"),
+    ("Per prefill × decode pair", charts.order_by_pair(rendezvous["by_pair"].to_pylist()), "order_pair"))
+ui.side_by_side(
+    ("Coordination given the order", charts.coordination_by_order(rendezvous["by_order"].to_pylist()), "order_coord"),
+    ("What early binding costs: KV blocks held on D", charts.kv_hold(data.kv_hold(f).to_pylist()), "kv_hold",
+     "From D's allocation to the transfer's completion on D: in push D allocates while P prefills, in pull only "
+     "after. Block·seconds = blocks allocated × time held."))

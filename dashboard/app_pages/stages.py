@@ -24,10 +24,5 @@ st.dataframe(
     })
 st.caption("Durations are percentiles from log-bucketed histograms (±4 %); critical time and shares are exact sums.")
 
-left, right = st.columns(2)
-with left:
-    st.subheader("Share of TTFT per stage")
-    st.plotly_chart(charts.stage_shares(rows), key="shares")
-with right:
-    st.subheader("Stage × time")
-    st.plotly_chart(charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), key="heatmap")
+ui.side_by_side(("Share of TTFT per stage", charts.stage_shares(rows), "shares"),
+                ("Stage × time", charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), "heatmap"))
