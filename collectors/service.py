@@ -159,7 +159,10 @@ class Decider:
 def _joined(spans: list[SpanRow], stored: list[SpanRow]) -> list[SpanRow]:
     """``spans`` and those of ``stored`` not among them (each span id once)."""
     known = {s.span_id for s in spans}
-    extra = {row.span_id: row for row in stored if row.span_id not in known}
+    extra: dict[bytes, SpanRow] = {}
+    for row in stored:  # a span the sender retried is stored twice: its first copy counts
+        if row.span_id not in known:
+            extra.setdefault(row.span_id, row)
     return spans + list(extra.values())
 
 
