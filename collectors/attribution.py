@@ -33,6 +33,7 @@ from .breakdown import (
     UNLISTED_CATEGORY, WRITE, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
+from .explain import explain
 from .model import SpanRow
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
@@ -128,6 +129,7 @@ class Attributor:
         """The trace's breakdown; None for a trace with no kvtrace span (nothing to attribute)."""
         index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
         error = False
+        failed: SpanRow | None = None  # the earliest span that ended in error
         mode = ""
         p_any = d_any = None  # a span from P and from D: their instances
         first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
@@ -162,6 +164,8 @@ class Attributor:
                     index[key] = span
             if span.status == 2:
                 error = True
+                if failed is None or span.start < failed.start:
+                    failed = span
             if not mode:
                 mode = origin.mode
             if side == PREFILL:
@@ -231,6 +235,8 @@ class Attributor:
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
             complete=not missing, missing=missing, error=error, segments=segments,
+            error_stage=(failed.origin.side, failed.stage) if failed is not None else None,
+            error_type=str(failed.attrs.get(semconv.ATTR_FAILURE_CAUSE) or "") if failed is not None else "",
             root_span_id=root.span_id if root is not None else outer.span_id if outer is not None else b"",
             ttft_reference=reference,
             offsets_ns=offsets, clock_bounds_ns=bounds, clock_suspect=suspect,
@@ -244,6 +250,7 @@ class Attributor:
             breakdown.client = {key: value for key, value in client.attrs.items() if key in _CLIENT_KEYS}
             if not breakdown.run_id:
                 breakdown.run_id = client.origin.run_id
+        breakdown.explanation = explain(breakdown)
         return breakdown
 
     # ------------------------------------------------------------------ the walk

@@ -102,6 +102,8 @@ class Breakdown:
     complete: bool
     missing: list[str]
     error: bool
+    error_stage: tuple[str, str] | None = None  # the stage of the first span that ended in error
+    error_type: str = ""  # that span's error.type
     rendezvous_order: str = ""
     engine_loop_ns: int = 0
     transfer_bytes: int = 0
@@ -124,6 +126,7 @@ class Breakdown:
     segments: list[Segment] = field(default_factory=list)  # the critical path, first to last
     root_span_id: bytes = b""  # pd.request's span id (or the gateway's outer span's), b"" when the trace has none
     ttft_reference: str = semconv.TtftReference.ROUTER.value  # what TTFT runs from (semconv.TtftReference)
+    explanation: str = ""  # the trace in one sentence (:func:`.explain.explain`)
 
     @property
     def critical_path(self) -> str:

@@ -172,6 +172,8 @@ class BreakdownSpans:
                 attrs.append(_cached_string(key, value))
         if b.missing:
             attrs.append(_cached_string(semconv.BREAKDOWN_MISSING, ",".join(b.missing)))
+        if b.explanation:
+            attrs.append(_string(semconv.BREAKDOWN_EXPLANATION, b.explanation))
         attrs += [_int(semconv.BREAKDOWN_TRANSFER_BYTES, b.transfer_bytes),
                   _int(semconv.BREAKDOWN_PROMPT_TOKENS, b.prompt_tokens),
                   _bool(semconv.BREAKDOWN_COMPLETE, b.complete),

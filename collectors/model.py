@@ -57,7 +57,8 @@ for (_side, _name), _stage in semconv.STAGE_OF_SPAN.items():
     _STAGES_OF_SIDE.setdefault(_side.value, {})[_name] = semconv.STAGE_LABELS[_stage]
 _NO_STAGES: dict[str, str] = {}
 # The span attributes the collector reads; the rest stay in the original, unread.
-WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, *semconv.DETAIL_ATTRIBUTES,
+WANTED_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, semconv.ATTR_FAILURE_CAUSE,
+                               *semconv.DETAIL_ATTRIBUTES,
                                *semconv.CLIENT_ATTRIBUTES, semconv.RUN_CONFIG, semconv.VLLM_TIME_TO_FIRST_TOKEN})
 _RESOURCE_KEYS = frozenset({semconv.RES_SERVICE_NAME, semconv.RES_SERVICE_INSTANCE_ID, semconv.RES_ROLE,
                             semconv.RES_MODE, semconv.RES_RUN_ID, semconv.RES_HOST_NAME,

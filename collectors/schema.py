@@ -12,7 +12,8 @@ writes these tables, the read side (:mod:`.read`) reads them, and nothing else s
   generator sent (``kvtrace bench sweep``) also has its client's measures (``client_*``) and
   its point (``point_rate`` or ``point_concurrency``, ``point_prompt_tokens``); ``run_id``
   groups it with its run. ``ttft_reference`` says what its TTFT runs from
-  (:class:`~kvtrace.telemetry.semconv.TtftReference`: ``router``, ``gateway`` or ``engine``).
+  (:class:`~kvtrace.telemetry.semconv.TtftReference`: ``router``, ``gateway`` or ``engine``);
+  ``explanation`` is the request in one sentence (:mod:`.explain`).
 * ``runs`` — one row per run record (``kvtrace.run`` span): the run's configuration and the load
   generator's per-point results, as JSON (``config``).
 * ``stage_keys`` — one row per (side, stage) ever seen, with its category: the contract's
@@ -48,7 +49,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 7
+SCHEMA_VERSION: Final = 8
 """Bump when a table, view or rollup changes: a file with another version is refused, unless
 :data:`MIGRATIONS` brings it up to this one."""
 
@@ -56,6 +57,8 @@ MIGRATIONS: Final[dict[int, str]] = {
     # 6 -> 7: the TTFT reference per request; every request before it was served by kvtrace's router
     6: "ALTER TABLE requests ADD COLUMN ttft_reference VARCHAR DEFAULT 'router'; "
        "UPDATE schema_version SET version = 7",
+    # 7 -> 8: each request's explanation (.explain); requests decided before it have none
+    7: "ALTER TABLE requests ADD COLUMN explanation VARCHAR DEFAULT ''; UPDATE schema_version SET version = 8",
 }
 """From a schema version to the next, in one transaction: what the collector runs on opening an older file."""
 
@@ -125,7 +128,7 @@ CREATE TABLE IF NOT EXISTS requests (
     flush_id BIGINT, updated_at TIMESTAMPTZ,
     client_ttft_ms DOUBLE, client_tpot_ms DOUBLE, client_itl_p50_ms DOUBLE, client_itl_p99_ms DOUBLE,
     client_output_tokens INTEGER, point_rate DOUBLE, point_concurrency INTEGER, point_prompt_tokens INTEGER,
-    ttft_reference VARCHAR
+    ttft_reference VARCHAR, explanation VARCHAR
 );
 CREATE TABLE IF NOT EXISTS runs (
     run_id VARCHAR PRIMARY KEY, recorded_at TIMESTAMPTZ, config VARCHAR

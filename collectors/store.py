@@ -464,6 +464,7 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
         **{column: pa.array([_client_value(b.client, key, scale) for b in breakdowns], kind)
            for column, key, scale, kind in _CLIENT_COLUMNS},
         "ttft_reference": [b.ttft_reference for b in breakdowns],
+        "explanation": [b.explanation for b in breakdowns],
     })
 
 

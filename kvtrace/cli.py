@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -259,6 +260,29 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from kvtrace.collectors.query_service import QueryRefused
+    from kvtrace.collectors.read import StoreUnavailable, open_store
+
+    if not args.db and not args.collector:
+        print("kvtrace explain: give --db PATH (or --collector URL)", file=sys.stderr)
+        return 2
+    trace_id = args.trace_id.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{32}", trace_id):
+        print(f"kvtrace explain: {args.trace_id!r} is not a trace id (32 hex digits)", file=sys.stderr)
+        return 2
+    try:
+        sentence = open_store(args.db, collector=args.collector, token=args.token).explanation(trace_id)
+    except (StoreUnavailable, QueryRefused) as exc:
+        print(f"kvtrace explain: {exc}", file=sys.stderr)
+        return 2
+    if sentence is None:
+        print(f"kvtrace explain: no request with trace id {trace_id} in this store", file=sys.stderr)
+        return 1
+    print(sentence or "(decided before this kvtrace explained requests: no explanation stored)")
+    return 0
+
+
 def _text_table(table, limit: int) -> str:
     columns = table.column_names
     rows = [[("" if v is None else str(v)) for v in row.values()] for row in table.slice(0, limit).to_pylist()]
@@ -325,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("--out", help="write the result to FILE.parquet or FILE.csv instead of printing it")
     query.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
     query.set_defaults(func=_cmd_query)
+    explain = sub.add_parser("explain", help="one request in one sentence: where its TTFT went, from its critical path")
+    explain.add_argument("trace_id", help="the trace id (32 hex digits), as the dashboard or your APM shows it")
+    _store_arguments(explain)
+    explain.set_defaults(func=_cmd_explain)
     return parser
 
 

@@ -548,6 +548,11 @@ BREAKDOWN_CRITICAL_PATH: Final = "kvtrace.breakdown.critical_path"
 """The stages on the critical path, first to last, as ``side:stage`` joined by ``>`` (gaps no
 span covers are left out: their time is the unattributed part)."""
 
+BREAKDOWN_EXPLANATION: Final = "kvtrace.breakdown.explanation"
+"""The trace in one sentence, derived by rules from its critical path: the dominant part and the stage
+that holds it, e.g. ``62 % coordination: the rendezvous waited 480 ms for D's registration``
+(the rules: ``kvtrace.collectors.explain``). Numbers and stage names only, never prompt text."""
+
 BREAKDOWN_COMPLETE: Final = "kvtrace.breakdown.complete"
 """True when every stage the mode expects was seen (bool)."""
 

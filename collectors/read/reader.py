@@ -397,10 +397,18 @@ class StoreReader:
     def slowest(self, f: Filters, limit: int = 20) -> pa.Table:
         where, params = f.where(rollup=False)
         return self._table(f"""SELECT trace_id, started_at, mode, ttft_ms, {", ".join(PART_COLUMNS)}, rendezvous_order,
-                                   complete, error
+                                   complete, error, explanation
                             FROM requests WHERE {where} ORDER BY ttft_ms DESC LIMIT {int(limit)}""", params)
 
     # ------------------------------------------------------------------ one trace
+
+    def explanation(self, trace_id: str) -> str | None:
+        """The trace's one sentence (:mod:`kvtrace.collectors.explain`); None for a trace not in the store,
+        "" for one decided before explanations were stored."""
+        if not _TRACE_ID.fullmatch(trace_id or ""):
+            return None
+        rows = self._rows("SELECT explanation FROM requests WHERE trace_id = ?", [trace_id])
+        return (rows[0]["explanation"] or "") if rows else None
 
     def trace(self, trace_id: str) -> dict[str, Any] | None:
         """One request: its row (without the stage lists) and its stages on the router's clock, in ms

@@ -45,11 +45,13 @@ else:
 st.subheader("The slowest requests")
 slowest = data.slowest(f).to_pylist()
 st.dataframe([{"trace": f"trace?trace_id={r['trace_id']}", "started (UTC)": r["started_at"], "mode": r["mode"],
-               "TTFT (ms)": r["ttft_ms"], **{k.removesuffix("_ms") + " (ms)": r[k] for k in (
+               "TTFT (ms)": r["ttft_ms"], "why": r["explanation"], **{k.removesuffix("_ms") + " (ms)": r[k] for k in (
                    "compute_ms", "queue_ms", "coordination_ms", "wire_ms", "unattributed_ms")},
                "order": r["rendezvous_order"], "complete": r["complete"], "error": r["error"]} for r in slowest],
              hide_index=True, column_config={
                  "trace": st.column_config.LinkColumn("trace", display_text=r"trace_id=(.{12})"),
+                 "why": st.column_config.TextColumn("why", width="large",
+                                                    help="the request in one sentence, from its critical path"),
                  **{c: st.column_config.NumberColumn(format="%.1f") for c in (
                      "TTFT (ms)", "compute (ms)", "queue (ms)", "coordination (ms)", "wire (ms)",
                      "unattributed (ms)")}})

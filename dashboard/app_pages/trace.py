@@ -28,6 +28,9 @@ if found is None:
     st.stop()
 
 request, stages, spans, ranks = found["request"], found["stages"], found["spans"], found["ranks"]
+if request.get("explanation"):  # the collector's one sentence (older stores have none)
+    say = st.error if request["error"] else st.warning if not request["complete"] else st.info
+    say(request["explanation"], icon=":material/lightbulb:")
 
 cols = st.columns(5)
 reference = request.get("ttft_reference") or "router"

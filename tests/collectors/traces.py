@@ -47,14 +47,15 @@ def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str,
 def build(mode: str = "push", order: str = "registration_first", skew_ms: dict | None = None,
           drop: set[str] = frozenset(), fail: str | None = None, request_id: str = "cmpl-x-0",
           hosts: str = "0", router: str | None = None, at_ms: float = 0.0, late_rank_ms: float = 0.0,
-          contract: int | None = None) -> Built:
+          contract: int | None = None, d_queue_ms: float = 1.0) -> Built:
     """One request. ``drop`` removes services ("router", "prefill", "decode") or stages
     ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed; ``router`` names the
     router's instance (default ``router-<hosts>``); ``at_ms`` moves the request later in time.
     ``late_rank_ms``: a second TP rank of the transferring side (P's worker in push, D's in pull)
     whose transfer ends that much later — the KV cache has landed, and D's completion starts, only
     then. ``contract=1``: senders of the first contract (no ``engine.input``, ``kv.read_wait`` or
-    router legs, no version attribute)."""
+    router legs, no version attribute). ``d_queue_ms``: how long the request waits in D's queue
+    before its first decode step (a queue-bound trace)."""
     skew = skew_ms or {}
     m = Mode(mode)
     rec = {
@@ -134,7 +135,9 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
         # compute: P input 3, prefill 144, D input 7, first token 7; coordination: route 1, P's
         # answer back 2, relay 0.5, allocation 1, prep 1, D completion 2, decode leg 1
         expected = {"compute": 3 + 144 + 7 + 7, "queue": 2, "coordination": 1 + 2 + 0.5 + 1 + 1 + 2 + 1, "wire": 8}
-    put("decode", Stage.D_QUEUE, d_ready + 2, d_ready + 3)
+    put("decode", Stage.D_QUEUE, d_ready + 2, d_ready + 2 + d_queue_ms)
+    d_ready += d_queue_ms - 1  # the first decode step starts when the queue lets it
+    expected["queue"] = expected.get("queue", 0) + d_queue_ms - 1
     put("decode", Stage.FIRST_TOKEN, d_ready + 3, d_ready + 10)
     ttft_ms = d_ready + 11
     put("router", Stage.DECODE_LEG, 1.5 if mode == "push" else 152.5, ttft_ms)

@@ -121,6 +121,8 @@ def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores
     assert at.selectbox[0].value == built.trace_id
     assert _metrics(at)["TTFT (from router)"] == f"{built.ttft_ns / MS:.3g} ms"
     assert _metrics(at)["Rendezvous"] == "P first"  # kv_first: P's KV waited for D's registration
+    assert at.info[0].value == ("89 % coordination: D's registration took 161 ms to reach P, whose finished blocks "
+                                "waited 18 ms for it at the rendezvous.")  # the collector's sentence, on top
     breakdown = at.dataframe[0].value.set_index("part")["ms"]
     assert breakdown["TTFT (sum)"] == pytest.approx(built.ttft_ns / MS)
     for part, ns in built.expected.items():
@@ -170,6 +172,9 @@ def test_parts_per_request_add_up_on_the_slow_page(monkeypatch, stores):
     for row in slowest:
         parts = sum(row[f"{c.removesuffix('_ms')} (ms)"] for c in PART_COLUMNS)
         assert parts == pytest.approx(row["TTFT (ms)"])
+    sentences = {row["why"] for row in slowest}  # each request's own sentence
+    assert "Failed: D's read ended in error (transfer_failed) 170 ms in." in sentences
+    assert any(s.startswith("Incomplete: decode:completion never arrived") for s in sentences)
 
 
 def test_runs_page_without_runs_says_how_to_record_them(monkeypatch, stores):

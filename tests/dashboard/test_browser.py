@@ -189,7 +189,10 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     assert not _cut_kpis(page), f"KPI values cut off at 1280 px: {_cut_kpis(page)}"
     ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (from router)").locator(
         "[data-testid='stMetricValue']").inner_text()
-    assert ttft == ms_short(live["reader"].trace(trace_id)["request"]["ttft_ms"])  # the deep link's trace
+    request = live["reader"].trace(trace_id)["request"]
+    assert ttft == ms_short(request["ttft_ms"])  # the deep link's trace
+    assert request["explanation"]  # the collector's sentence, shown above everything else
+    page.get_by_text(request["explanation"], exact=True).wait_for(timeout=10_000)
     assert f"trace_id={trace_id}" in page.url
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"

@@ -1,0 +1,177 @@
+"""A decided trace in one sentence: where its TTFT went, derived by rules from the critical path.
+
+Rules, first that applies (each has a test on a contract trace of its shape):
+
+1. **Failed** — a span ended in error: which stage, its ``error.type``, how far into the request.
+   ``Failed: D's read ended in error (timeout) 812 ms in.``
+2. **Incomplete** — an expected stage never arrived: which (a whole side, or up to three stages),
+   then the part that dominates what was seen, as in 3. ``Incomplete: no span from D arrived; of
+   169 ms seen, 87 % compute: P's prefill of 2,000 tokens took 144 ms.``
+3. **The dominant part**, then the stage that holds most of it on the critical path, in words of
+   its own (a table below, per stage: the prefill names its prompt tokens, the rendezvous says
+   what it waited for, a transfer its size and rate), and the runner-up part when it holds at
+   least :data:`RUNNER_UP_SHARE` of TTFT. ``62 % coordination: the rendezvous waited 480 ms for
+   D's registration; 30 % compute: P's prefill of 16,384 tokens took 231 ms.``
+
+Only numbers and stage names go into the sentence: never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtrace.telemetry import semconv
+from kvtrace.telemetry.semconv import Category
+
+from . import breakdown as keys
+from .breakdown import GAP, Breakdown
+
+RUNNER_UP_SHARE = 0.2
+"""The second part is named too when it holds at least this share of TTFT."""
+MAX_MISSING_NAMED = 3
+
+_SIDE_NAME = {keys.ROUTER: "the router", keys.PREFILL: "P", keys.DECODE: "D"}
+_KV_FIRST = semconv.RendezvousOrder.KV_FIRST.value
+_REGISTRATION_FIRST = semconv.RendezvousOrder.REGISTRATION_FIRST.value
+
+
+def _ms(ns: int) -> str:
+    ms = ns / 1e6
+    return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.1f} ms" if ms >= 0.1 else f"{ms:.2f} ms"
+
+
+def _share(part_ns: int, ttft_ns: int) -> str:
+    return f"{part_ns / ttft_ns:.0%}".replace("%", " %")
+
+
+def _transfer(op: str) -> Callable[[Breakdown, int], str]:
+    def phrase(b: Breakdown, critical: int) -> str:
+        if not b.transfer_bytes:
+            return f"the NIXL {op} took {_ms(critical)}"
+        mib = b.transfer_bytes / 2**20
+        size = f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
+        took = b.timings[keys.WRITE if op == "WRITE" else keys.READ]
+        rate = b.transfer_bytes / max(took[1] - took[0], 1)  # bytes per ns = GB/s
+        speed = f"{rate:.2f} GB/s" if rate >= 0.1 else f"{rate * 1e3:.1f} MB/s"
+        return f"the NIXL {op} of {size} took {_ms(critical)} ({speed})"
+    return phrase
+
+
+def _prefill(b: Breakdown, critical: int) -> str:
+    tokens = f" of {b.prompt_tokens:,} tokens" if b.prompt_tokens else ""
+    return f"P's prefill{tokens} took {_ms(critical)}"
+
+
+def _rendezvous(b: Breakdown, critical: int) -> str:
+    if b.rendezvous_order == _KV_FIRST:
+        return f"the rendezvous waited {_ms(critical)} for D's registration (P's blocks were ready first)"
+    if b.rendezvous_order == _REGISTRATION_FIRST:
+        return f"the rendezvous took {_ms(critical)} after D's registration had arrived"
+    return f"the rendezvous took {_ms(critical)}"
+
+
+def _registration(b: Breakdown, critical: int) -> str:
+    if b.rendezvous_order == _KV_FIRST and keys.RENDEZVOUS in b.timings:  # P's blocks were ready, waiting for it
+        start, end, _ = b.timings[keys.RENDEZVOUS]
+        return (f"D's registration took {_ms(critical)} to reach P, whose finished blocks waited "
+                f"{_ms(end - start)} for it at the rendezvous")
+    return f"D's registration took {_ms(critical)} to reach P"
+
+
+_PHRASES: dict[tuple[str, str], Callable[[Breakdown, int], str]] = {
+    keys.P_PREFILL: _prefill,
+    keys.FIRST_TOKEN: lambda b, c: f"D's first decode step took {_ms(c)}",
+    keys.P_QUEUE: lambda b, c: f"the request waited {_ms(c)} in P's queue",
+    keys.D_QUEUE: lambda b, c: f"the request waited {_ms(c)} in D's queue before its first decode step",
+    keys.READ_WAIT: lambda b, c: f"D waited {_ms(c)} for its READ to be issued",
+    keys.RENDEZVOUS: _rendezvous,
+    keys.P_REGISTRATION: lambda b, c: f"D's registration took {_ms(c)} to be matched on P",
+    keys.D_REGISTRATION: _registration,
+    keys.R_REGISTRATION: lambda b, c: f"the router's registration relay took {_ms(c)}",
+    keys.P_HANDSHAKE: lambda b, c: f"the one-time NIXL handshake took {_ms(c)}",
+    keys.D_HANDSHAKE: lambda b, c: f"the one-time NIXL handshake took {_ms(c)}",
+    keys.P_DESCRIPTOR_PREP: lambda b, c: f"descriptor prep on P took {_ms(c)}",
+    keys.D_DESCRIPTOR_PREP: lambda b, c: f"descriptor prep on D's engine loop took {_ms(c)}",
+    keys.ALLOCATION: lambda b, c: f"D's block allocation took {_ms(c)}",
+    keys.WRITE: _transfer("WRITE"),
+    keys.READ: _transfer("READ"),
+    keys.RELAY: lambda b, c: f"the relay from P's finished prefill to D took {_ms(c)}",
+    keys.INGRESS: lambda b, c: f"the gateway took {_ms(c)} to hand the request to P",
+    keys.D_OUTPUT: lambda b, c: f"the first token took {_ms(c)} to leave D's API server",
+    keys.ROUTE: lambda b, c: f"the router's routing took {_ms(c)}",
+    keys.PREFILL_LEG: lambda b, c: f"the router's prefill leg took {_ms(c)} beyond P's own stages",
+    keys.DECODE_LEG: lambda b, c: f"the first token took {_ms(c)} from D back to the router",
+}
+
+
+def _stage_phrase(b: Breakdown, key: tuple[str, str], critical: int) -> str:
+    phrase = _PHRASES.get(key)
+    if phrase is not None:
+        return phrase(b, critical)
+    return f"{_stage_name(key)} took {_ms(critical)}"
+
+
+def _longest_gap(b: Breakdown) -> str:
+    """`` (the longest, 233 ms, after P's prefill)``: where the widest uncovered segment sits."""
+    gaps = [(end - start, i) for i, (key, start, end) in enumerate(b.segments) if key == GAP]
+    if not gaps:
+        return ""
+    width, i = max(gaps)
+    before = b.segments[i - 1][0] if i > 0 else None
+    after = b.segments[i + 1][0] if i + 1 < len(b.segments) else None
+    where = (f"between {_stage_name(before)} and {_stage_name(after)}" if before and after else
+             f"after {_stage_name(before)}" if before else f"before {_stage_name(after)}" if after else "")
+    return f" (the longest, {_ms(width)}, {where})" if where and len(gaps) > 1 else f" ({where})" if where else ""
+
+
+def _stage_name(key: tuple[str, str]) -> str:
+    side, stage = key
+    return f"{_SIDE_NAME.get(side, side)}'s {stage.replace('_', ' ')}"
+
+
+def _part_clause(b: Breakdown, part: str) -> str:
+    share = _share(b.parts[part], b.ttft_ns)
+    if part == Category.UNATTRIBUTED.value:
+        return f"{share} unattributed: no span covers {_ms(b.parts[part])} of the critical path{_longest_gap(b)}"
+    on_path = [(critical, key) for key, critical in b.critical_ns.items()
+               if critical > 0 and keys.category_of(key[1]) == part]
+    if not on_path:
+        return f"{share} {part}"
+    critical, key = max(on_path)
+    return f"{share} {part}: {_stage_phrase(b, key, critical)}"
+
+
+def _failed(b: Breakdown) -> str:
+    what = f"{_stage_name(b.error_stage)} ended in error" if b.error_stage else "a span ended in error"
+    cause = f" ({b.error_type})" if b.error_type else ""
+    timing = b.timings.get(b.error_stage) if b.error_stage else None
+    into = f" {_ms(max(0, timing[1] - b.start_ns))} in" if timing else ""
+    return f"Failed: {what}{cause}{into}."
+
+
+def _missing(b: Breakdown) -> str:
+    """What never arrived: a whole side when none of its spans did, else the stages (a few named)."""
+    absent = [side for side, instance in ((keys.PREFILL, b.prefill_instance), (keys.DECODE, b.decode_instance))
+              if not instance]
+    stages = [m for m in b.missing if m.partition(":")[0] not in absent]
+    said = [f"no span from {_SIDE_NAME[side]} arrived" for side in absent]
+    if stages:
+        named = ", ".join(stages[:MAX_MISSING_NAMED]) + (" …" if len(stages) > MAX_MISSING_NAMED else "")
+        said.append(f"{named} never arrived")
+    return " and ".join(said)
+
+
+def explain(b: Breakdown) -> str:
+    """The trace's one sentence (rules in the module's docstring)."""
+    if b.error:
+        return _failed(b)
+    ranked = sorted((ns, part) for part, ns in b.parts.items() if ns > 0)[::-1]
+    if not b.complete:
+        seen = f"; of {_ms(b.ttft_ns)} seen, {_part_clause(b, ranked[0][1])}" if ranked and b.ttft_ns > 0 else ""
+        return f"Incomplete: {_missing(b)}{seen}."
+    if not ranked or b.ttft_ns <= 0:
+        return "No time to explain: the trace has no TTFT."
+    clauses = [_part_clause(b, ranked[0][1])]
+    if len(ranked) > 1 and ranked[1][0] >= RUNNER_UP_SHARE * b.ttft_ns:
+        clauses.append(_part_clause(b, ranked[1][1]))
+    return "; ".join(clauses) + "."
