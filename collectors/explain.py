@@ -41,7 +41,7 @@ def _ms(ns: int) -> str:
 
 
 def _share(part_ns: int, ttft_ns: int) -> str:
-    return f"{part_ns / ttft_ns:.0%}".replace("%", " %")
+    return f"{round(100 * part_ns / ttft_ns)} %"
 
 
 def _transfer(op: str) -> Callable[[Breakdown, int], str]:
@@ -133,8 +133,9 @@ def _part_clause(b: Breakdown, part: str) -> str:
     share = _share(b.parts[part], b.ttft_ns)
     if part == Category.UNATTRIBUTED.value:
         return f"{share} unattributed: no span covers {_ms(b.parts[part])} of the critical path{_longest_gap(b)}"
+    timings = b.timings  # each stage's category as the attribution charged it
     on_path = [(critical, key) for key, critical in b.critical_ns.items()
-               if critical > 0 and keys.category_of(key[1]) == part]
+               if critical > 0 and key in timings and timings[key][2] == part]
     if not on_path:
         return f"{share} {part}"
     critical, key = max(on_path)
