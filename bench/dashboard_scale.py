@@ -13,7 +13,8 @@ time to its first chart.
 3. Browser: ``kvtrace dashboard --db PATH``, Debian's Chromium through Playwright; per page, the
    time from navigation to the first Plotly chart, cold (a new browser context: the whole
    Streamlit and Plotly front end loads) and warm (the same context, as a user moving between
-   pages). Medians of ``--rounds``.
+   pages); each navigation starts with the previous page finished (:data:`SETTLE_MS` after its
+   first chart). Medians of ``--rounds``.
 
    Beside it, in the same rounds, a bare Streamlit page with one Plotly chart served with the
    same flags: Streamlit's floor on this machine, and the ratio of each page to it.
@@ -38,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+SETTLE_MS = 2_000
+"""After each first chart, the page is left this long to finish before the next navigation."""
 TARGET_RATIO = 1.5
 """Each page's time to first chart, cold and warm, against the bare page's (issue 20)."""
 PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]
@@ -175,7 +178,12 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
                 t = time.perf_counter()
                 page.goto(url)
                 page.wait_for_selector(".main-svg", timeout=120_000)
-                return time.perf_counter() - t
+                took = time.perf_counter() - t
+                # Let the page finish (the rest of its script run, its other charts) before the next
+                # navigation, as a user reads a page before moving on: otherwise the next measure
+                # shares the server with this page's unfinished run.
+                page.wait_for_timeout(SETTLE_MS)
+                return took
 
             def new_page():
                 return chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
