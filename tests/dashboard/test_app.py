@@ -154,6 +154,27 @@ def test_health_lists_incomplete_traces(monkeypatch, stores):
     assert missing == [{"mode": "push", "missing stages": "decode:completion", "requests": 1}]
 
 
+def test_a_fleets_clocks_draw_the_farthest_instances_and_one_band_for_the_rest(monkeypatch, tmp_path):
+    """Twelve processes, D's clocks skewed 0-5 ms: the Health page draws the eight that stray farthest
+    (every skewed D among them) and folds the other four into one band that covers them."""
+    from kvtrace.dashboard.charts import MAX_INSTANCE_LINES
+
+    fleet = [build("push", hosts=str(i), skew_ms={"decode": float(i)}) for i in range(6)]
+    db = store_of(tmp_path / "fleet.duckdb", fleet)
+    at = _app(monkeypatch, db, "health")
+    offsets = next(f for f in _figures(at)
+                   if "offset applied" in f["layout"]["yaxis"].get("title", {}).get("text", ""))
+    lines = [t for t in offsets["data"] if t.get("mode") == "lines+markers"]
+    band = [t for t in offsets["data"] if t.get("legendgroup") == "others"]
+    assert len(lines) == MAX_INSTANCE_LINES
+    assert {f"decode-{i}" for i in range(1, 6)} <= {t["name"] for t in lines}
+    assert band[1]["name"] == "4 other instances (least to greatest)"
+    drawn = {t["name"] for t in lines}
+    rest = [r for r in open_store(db).health(Filters())["clocks"].to_pylist() if r["instance"] not in drawn]
+    assert rest and min(band[0]["y"]) <= min(r["min_ms"] for r in rest)
+    assert max(band[1]["y"]) >= max(r["max_ms"] for r in rest)
+
+
 def test_a_store_from_another_schema_gets_a_clear_message(monkeypatch, tmp_path):
     path = tmp_path / "old.duckdb"
     con = duckdb.connect(str(path))
