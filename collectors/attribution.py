@@ -128,7 +128,6 @@ class Attributor:
     def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown | None:
         """The trace's breakdown; None for a trace with no kvtrace span (nothing to attribute)."""
         index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
-        error = False
         failed: SpanRow | None = None  # the earliest span that ended in error
         mode = ""
         p_any = d_any = None  # a span from P and from D: their instances
@@ -162,10 +161,8 @@ class Attributor:
                     by_rank[origin.instance] = span
                 if span.start < seen.start:
                     index[key] = span
-            if span.status == 2:
-                error = True
-                if failed is None or span.start < failed.start:
-                    failed = span
+            if span.status == 2 and (failed is None or span.start < failed.start):
+                failed = span
             if not mode:
                 mode = origin.mode
             if side == PREFILL:
@@ -234,7 +231,7 @@ class Attributor:
         breakdown = Breakdown(
             trace_id=trace_id, request_id=_request_id(root, spans), mode=mode, start_ns=start,
             ttft_ns=end - start, parts=parts, timings=timings, critical_ns=critical,
-            complete=not missing, missing=missing, error=error, segments=segments,
+            complete=not missing, missing=missing, error=failed is not None, segments=segments,
             error_stage=(failed.origin.side, failed.stage) if failed is not None else None,
             error_type=str(failed.attrs.get(semconv.ATTR_FAILURE_CAUSE) or "") if failed is not None else "",
             root_span_id=root.span_id if root is not None else outer.span_id if outer is not None else b"",

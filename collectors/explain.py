@@ -44,13 +44,15 @@ def _share(part_ns: int, ttft_ns: int) -> str:
     return f"{round(100 * part_ns / ttft_ns)} %"
 
 
-def _transfer(op: str) -> Callable[[Breakdown, int], str]:
+def _transfer(key: tuple[str, str]) -> Callable[[Breakdown, int], str]:
+    op = key[1].upper()  # WRITE, READ
+
     def phrase(b: Breakdown, critical: int) -> str:
         if not b.transfer_bytes:
             return f"the NIXL {op} took {_ms(critical)}"
         mib = b.transfer_bytes / 2**20
         size = f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
-        took = b.timings[keys.WRITE if op == "WRITE" else keys.READ]
+        took = b.timings[key]
         rate = b.transfer_bytes / max(took[1] - took[0], 1)  # bytes per ns = GB/s
         speed = f"{rate:.2f} GB/s" if rate >= 0.1 else f"{rate * 1e3:.1f} MB/s"
         return f"the NIXL {op} of {size} took {_ms(critical)} ({speed})"
@@ -82,8 +84,8 @@ _PHRASES: dict[tuple[str, str], Callable[[Breakdown, int], str]] = {  # stages w
     keys.P_PREFILL: _prefill,
     keys.RENDEZVOUS: _rendezvous,
     keys.D_REGISTRATION: _registration,
-    keys.WRITE: _transfer("WRITE"),
-    keys.READ: _transfer("READ"),
+    keys.WRITE: _transfer(keys.WRITE),
+    keys.READ: _transfer(keys.READ),
 }
 _TEMPLATES: dict[tuple[str, str], str] = {  # the others: their time, in words of their own
     keys.FIRST_TOKEN: "D's first decode step took {ms}",
@@ -126,7 +128,9 @@ def _longest_gap(b: Breakdown) -> str:
     after = b.segments[i + 1][0] if i + 1 < len(b.segments) else None
     where = (f"between {_stage_name(before)} and {_stage_name(after)}" if before and after else
              f"after {_stage_name(before)}" if before else f"before {_stage_name(after)}" if after else "")
-    return f" (the longest, {_ms(width)}, {where})" if where and len(gaps) > 1 else f" ({where})" if where else ""
+    if not where:
+        return ""
+    return f" (the longest, {_ms(width)}, {where})" if len(gaps) > 1 else f" ({where})"
 
 
 def _stage_name(key: tuple[str, str]) -> str:
@@ -171,7 +175,7 @@ def explain(b: Breakdown) -> str:
     """The trace's one sentence (rules in the module's docstring)."""
     if b.error:
         return _failed(b)
-    ranked = sorted((ns, part) for part, ns in b.parts.items() if ns > 0)[::-1]
+    ranked = sorted(((ns, part) for part, ns in b.parts.items() if ns > 0), reverse=True)
     if not b.complete:
         seen = f"; of {_ms(b.ttft_ns)} seen, {_part_clause(b, ranked[0][1])}" if ranked and b.ttft_ns > 0 else ""
         return f"Incomplete: {_missing(b)}{seen}."

@@ -413,9 +413,10 @@ def _instance_lines(rows: Sequence[dict], reach, low, high) -> tuple[list[tuple[
     drawn = sorted(ranked[:MAX_INSTANCE_LINES])
     shorts = [short_instance(i) for i in drawn]
     labels = {i: short if shorts.count(short) == 1 else i for i, short in zip(drawn, shorts)}  # unique in the legend
+    lines = [(labels[i], groups[i]) for i in drawn]
     rest = [p for instance in ranked[MAX_INSTANCE_LINES:] for p in groups[instance]]
     if not rest:
-        return [(labels[i], groups[i]) for i in drawn], []
+        return lines, []
     lows: dict[Any, float] = {}
     highs: dict[Any, float] = {}
     for point in rest:
@@ -429,7 +430,7 @@ def _instance_lines(rows: Sequence[dict], reach, low, high) -> tuple[list[tuple[
             {"type": "scatter", "mode": "lines", "x": periods, "y": [highs[p] for p in periods], "name": name,
              "fill": "tonexty", "fillcolor": "rgba(150, 150, 150, 0.3)", "line": {"width": 0},
              "legendgroup": "others", "hovertemplate": f"%{{x}}<br>{name}: up to %{{y:.3f}} ms<extra></extra>"}]
-    return [(labels[i], groups[i]) for i in drawn], band
+    return lines, band
 
 
 def clock_offsets(rows: Sequence[dict]) -> go.Figure:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import runpy
 import sys
 from pathlib import Path
@@ -194,8 +193,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from kvtrace.collectors.read.runs import RunNotFound
     from kvtrace.experiment import report
 
-    if not args.db and not args.collector:
-        print(f"kvtrace {args.command}: give --db PATH (or --collector URL)", file=sys.stderr)
+    if _no_store_given(args):
         return 2
     try:
         reader = open_store(args.db, collector=args.collector, token=args.token)
@@ -221,11 +219,18 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the collector's bearer token (default: $KVTRACE_TOKEN)")
 
 
+def _no_store_given(args: argparse.Namespace) -> bool:
+    """True (and says so) when a command that reads a store was given neither ``--db`` nor ``--collector``."""
+    if args.db or args.collector:
+        return False
+    print(f"kvtrace {args.command}: give --db PATH (or --collector URL)", file=sys.stderr)
+    return True
+
+
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from kvtrace.dashboard.launch import serve
 
-    if not args.db and not args.collector:
-        print("kvtrace dashboard: give --db PATH (or --collector URL)", file=sys.stderr)
+    if _no_store_given(args):
         return 2
     return serve(db=args.db, collector=args.collector, token=args.token, host=args.host, port=args.port,
                  apm_url=args.apm_url, refresh_s=args.refresh)
@@ -235,8 +240,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
     from kvtrace.collectors.read import StoreUnavailable, open_store
     from kvtrace.collectors.query_service import QueryRefused
 
-    if not args.db and not args.collector:
-        print("kvtrace query: give --db PATH (or --collector URL)", file=sys.stderr)
+    if _no_store_given(args):
         return 2
     try:
         table = open_store(args.db, collector=args.collector, token=args.token).sql(args.sql)
@@ -262,13 +266,12 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     from kvtrace.collectors.query_service import QueryRefused
-    from kvtrace.collectors.read import StoreUnavailable, open_store
+    from kvtrace.collectors.read import StoreUnavailable, is_trace_id, open_store
 
-    if not args.db and not args.collector:
-        print("kvtrace explain: give --db PATH (or --collector URL)", file=sys.stderr)
+    if _no_store_given(args):
         return 2
     trace_id = args.trace_id.strip().lower()
-    if not re.fullmatch(r"[0-9a-f]{32}", trace_id):
+    if not is_trace_id(trace_id):
         print(f"kvtrace explain: {args.trace_id!r} is not a trace id (32 hex digits)", file=sys.stderr)
         return 2
     try:

@@ -36,6 +36,11 @@ COMPARED = {"mode": "mode", "rendezvous_order": "rendezvous_order", "length_buck
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
 
+def is_trace_id(value: str | None) -> bool:
+    """A W3C trace id as the store keeps it: 32 lower-case hex digits."""
+    return bool(_TRACE_ID.fullmatch(value or ""))
+
+
 def open_store(db: str | os.PathLike | None = None, *, collector: str | None = None,
                token: str | None = None) -> "StoreReader":
     """A reader of the store at ``db`` (whoever holds it) or of the collector at ``collector``."""
@@ -405,7 +410,7 @@ class StoreReader:
     def explanation(self, trace_id: str) -> str | None:
         """The trace's one sentence (:mod:`kvtrace.collectors.explain`); None for a trace not in the store,
         "" for one decided before explanations were stored."""
-        if not _TRACE_ID.fullmatch(trace_id or ""):
+        if not is_trace_id(trace_id):
             return None
         rows = self._rows("SELECT explanation FROM requests WHERE trace_id = ?", [trace_id])
         return (rows[0]["explanation"] or "") if rows else None
@@ -413,7 +418,7 @@ class StoreReader:
     def trace(self, trace_id: str) -> dict[str, Any] | None:
         """One request: its row (without the stage lists) and its stages on the router's clock, in ms
         from arrival, in order of start."""
-        if not _TRACE_ID.fullmatch(trace_id or ""):
+        if not is_trace_id(trace_id):
             return None
         rows = self._rows("SELECT * FROM requests WHERE trace_id = ?", [trace_id])
         if not rows:
@@ -432,7 +437,7 @@ class StoreReader:
     def trace_spans(self, trace_id: str) -> list[dict]:
         """The trace's spans as received, with every attribute (from the originals the collector
         archived), or [] if they are no longer kept (:func:`.traces.span_records`)."""
-        if not _TRACE_ID.fullmatch(trace_id or ""):
+        if not is_trace_id(trace_id):
             return []
         return span_records(self.source.trace_spans(trace_id))
 

@@ -90,4 +90,3 @@ def test_it_is_stored_forwarded_and_printed(tmp_path, capsys):
     (span,) = request.resource_spans[0].scope_spans[0].spans
     attrs = {a.key: a.value.string_value for a in span.attributes}
     assert attrs[semconv.BREAKDOWN_EXPLANATION] == breakdown.explanation
-
