@@ -433,6 +433,12 @@ def _instance_lines(rows: Sequence[dict], reach, low, high) -> tuple[list[tuple[
     return lines, band
 
 
+def _with_legend_rows(entries: int) -> int:
+    """A figure's height that keeps its plot full size above a legend of ``entries`` instances: in half
+    a page's width each long instance name takes a row of the legend, which Plotly otherwise takes from the plot."""
+    return 340 + 20 * max(0, entries - 2)
+
+
 def clock_offsets(rows: Sequence[dict]) -> go.Figure:
     if not rows:
         return empty("no clock offsets recorded")
@@ -445,7 +451,8 @@ def clock_offsets(rows: Sequence[dict]) -> go.Figure:
                      "error_y": {"type": "data", "symmetric": False, "thickness": 1,
                                  "array": [p["max_ms"] - p["offset_ms"] for p in points],
                                  "arrayminus": [p["offset_ms"] - p["min_ms"] for p in points]}})
-    return _figure(data, x=_axis("time (UTC)"), y=_axis("offset applied (ms; bars: min to max)"))
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("offset applied (ms; bars: min to max)"),
+                   height=_with_legend_rows(len(lines) + bool(band)))
 
 
 def measured_clocks(rows: Sequence[dict]) -> go.Figure:
@@ -460,7 +467,8 @@ def measured_clocks(rows: Sequence[dict]) -> go.Figure:
                      "x": [p["period"] for p in points], "y": [p["offset_ms"] for p in points],
                      "error_y": {"type": "data", "array": [p["bound_ms"] for p in points], "thickness": 1},
                      "hovertemplate": "%{x}<br>collector − process: %{y:.3f} ms ± %{error_y.array:.3f}<extra></extra>"})
-    return _figure(data, x=_axis("time (UTC)"), y=_axis("collector clock − process clock (ms; bars: error bound)"))
+    return _figure(data, x=_axis("time (UTC)"), y=_axis("collector clock − process clock (ms; bars: error bound)"),
+                   height=_with_legend_rows(len(lines) + bool(band)))
 
 
 def unattributed_share(rows: Sequence[dict]) -> go.Figure:
