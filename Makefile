@@ -22,7 +22,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml collectors/_otlp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,dashboard,experiment,test]'
+	$(PY) -m pip install --quiet -e '.[cpu,dashboard,experiment,fleet,test]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .clickhouse import ClickHouseAddress, is_clickhouse
 from .wal import ARCHIVE_BYTES as DEFAULT_ARCHIVE_BYTES
 
 if TYPE_CHECKING:
@@ -100,8 +101,15 @@ class CollectorConfig:
             archive_bytes=int(args.archive_gib * 1024**3))
 
     @property
+    def shared_store(self) -> bool:
+        """The store is a fleet's shared ClickHouse database (``--store clickhouse://...``), not a DuckDB file."""
+        return is_clickhouse(self.db_path)
+
+    @property
     def wal_path(self) -> str:
-        return self.wal_dir or f"{self.db_path}.kvtrace-wal"  # DuckDB owns <db>.wal
+        if self.wal_dir:
+            return self.wal_dir
+        return "kvtrace-wal" if self.shared_store else f"{self.db_path}.kvtrace-wal"  # DuckDB owns <db>.wal
 
     def validate(self) -> None:
         for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port),
@@ -115,7 +123,9 @@ class CollectorConfig:
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
-        if not Path(self.db_path).resolve().parent.is_dir():
+        if self.shared_store:
+            ClickHouseAddress.parse(self.db_path)  # raises naming --store
+        elif not Path(self.db_path).resolve().parent.is_dir():
             raise ValueError(f"--db {self.db_path}: its folder does not exist")
         for flag, value in (("--queue-requests", self.queue_requests), ("--max-traces", self.max_traces),
                             ("--max-body-bytes", self.max_body_bytes)):
@@ -133,8 +143,11 @@ class CollectorConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``kvtrace collector``'s flags (:meth:`CollectorConfig.from_arguments` reads them back)."""
-    parser.add_argument("--db", default="kvtrace.duckdb", help="DuckDB file (default kvtrace.duckdb)")
-    parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal)")
+    parser.add_argument("--db", "--store", dest="db", default="kvtrace.duckdb", metavar="PATH|URL",
+                        help="the store: a DuckDB file (default kvtrace.duckdb), or a fleet's shared ClickHouse "
+                             "database, clickhouse://host:8123/database")
+    parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal; with a ClickHouse "
+                                          "store, ./kvtrace-wal)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="OTLP/gRPC port; -1: off")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OTLP/HTTP port; -1: off")

@@ -36,6 +36,7 @@ from .metrics import CollectorMetrics
 from .model import DECODER, PermanentError, SpanBatch, SpanRow, rebuild_request, spans_at
 from .query_service import QueryService
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
+from .clickhouse import ClickHouseStore
 from .store import Store
 from .wal import WriteAheadLog
 
@@ -172,7 +173,8 @@ class Collector:
     def __init__(self, config: CollectorConfig) -> None:
         config.validate()
         self.config = config
-        self.store = Store(config.db_path)
+        self.store = ClickHouseStore(config.db_path, wal_dir=config.wal_path) if config.shared_store \
+            else Store(config.db_path)
         self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync, archive_bytes=config.archive_bytes)
         self.metrics = CollectorMetrics()
         self.clocks = ClockBook(on_sample=self.store.add_clock_sample)
@@ -240,7 +242,7 @@ class Collector:
                                                        clock=self.clocks.exchange))
         for receiver in self.receivers:
             receiver.start()
-        if c.query_port is not None:
+        if c.query_port is not None and not c.shared_store:  # a shared store's readers query it directly
             with _listening("query-port", c.host, c.query_port):
                 self.query_service = QueryService(self.store, self.status, self.trace_originals, host=c.host,
                                                   port=c.query_port, bearer_token=c.bearer_token, tls=self._tls())
@@ -346,7 +348,11 @@ class Collector:
         self.wal.release(self.store.wal_position())
 
     def _stored_rows(self, trace_id: str) -> list[SpanRow]:
-        """The trace's committed spans, decoded again from their originals in the log."""
+        """The trace's committed spans, decoded again from their originals in the log (a shared
+        store keeps them itself)."""
+        if self.config.shared_store:
+            return self.store.stored_spans(trace_id)
+
         def gone(segment: int) -> None:
             logger.warning("kvtrace collector: trace %s: originals in log segment %d are gone "
                            "(--archive-gib); only the spans that remain are used", trace_id, segment)

@@ -238,10 +238,10 @@ class Store:
             new_stages: dict[tuple[str, str], int] = {}
             tables = {  # built once, outside the transaction (and its retry); an empty buffer makes no table
                 **self._span_tables(batches, new_origins),
-                **({"requests": _request_table([b for b, _ in decided], flush_id, self._stage_ids,
+                **({"requests": request_table([b for b, _ in decided], flush_id, self._stage_ids,
                                                lambda key: self._stage_id(key, new_stages))} if decided else {}),
                 **_registry_tables(new_origins, new_stages),
-                **_record_tables(samples, runs, health),
+                **record_tables(samples, runs, health),
             }
             replaced = [b.trace_id for b, replaces in decided if replaces]
             try:
@@ -367,7 +367,7 @@ def _registry_tables(new_origins: dict[tuple[str, ...], int], new_stages: dict[t
     return tables
 
 
-def _record_tables(samples: list[tuple], runs: list[tuple], health: list[tuple]) -> dict[str, pa.Table]:
+def record_tables(samples: list[tuple], runs: list[tuple], health: list[tuple]) -> dict[str, pa.Table]:
     """Clock samples, sweep-run records and the collector's health rows buffered since the last flush."""
     tables = {}
     if samples:
@@ -384,9 +384,10 @@ def _record_tables(samples: list[tuple], runs: list[tuple], health: list[tuple])
     return tables
 
 
-def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[str, str], int],
-                   assign: Callable[[tuple[str, str]], int]) -> pa.Table:
-    """One row per trace with its breakdown: the ``requests`` table's columns (inserted by name)."""
+def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[str, str], int],
+                   assign: Callable[[tuple[str, str]], int], stage_id_type: pa.DataType = pa.int16()) -> pa.Table:
+    """One row per trace with its breakdown: the ``requests`` table's columns (inserted by name);
+    ``stage_ids`` of ``stage_id_type`` (the embedded store's small ids, a shared store's hashed ones)."""
     now = datetime.now(timezone.utc)
     ms = 1e6
     # Each stage of each breakdown as flat lists and one offset per row: Arrow builds the list
@@ -455,7 +456,7 @@ def _request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple
         "clock_bounds": pa.MapArray.from_arrays(pa.array(clock_bounds, pa.int32()), pa.array(bounded, pa.string()),
                                                 pa.array(bounds, pa.int64())),
         "clock_suspect": [b.clock_suspect for b in breakdowns],
-        "stage_ids": lists(stage_ids, pa.int16()),
+        "stage_ids": lists(stage_ids, stage_id_type),
         "stage_start_ns": lists(starts, pa.int64()),
         "stage_end_ns": lists(ends, pa.int64()),
         "stage_critical_ns": lists(critical, pa.int64()),

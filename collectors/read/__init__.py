@@ -3,7 +3,8 @@
 ``open_store(path)`` (or ``open_store(collector=URL)``) gives a :class:`StoreReader`; the dashboard,
 the ``kvtrace query``/``compare``/``whatif`` commands and the demo read only through it.
 
-* :mod:`.sources` — where the data comes from (a file, a running collector, either), behind the
+* :mod:`.sources` — where the data comes from (a file, a running collector, either, or a fleet's
+  shared ClickHouse store), behind the
   small :class:`~.sources.StoreSource` interface and its SQL :class:`~.sources.Dialect`
 * :mod:`.filters` — what a question can be narrowed to
 * :mod:`.quantiles` — the one definition of a percentile (exact, and the histogram estimate)

@@ -24,7 +24,8 @@ from .. import schema
 from . import runs
 from .filters import Filters
 from .quantiles import EXACT_QUANTILES_UP_TO, grouped_histogram_quantiles, histogram_quantiles
-from .sources import AutoSource, CollectorSource, StoreSource
+from ..clickhouse import is_clickhouse
+from .sources import AutoSource, ClickHouseSource, CollectorSource, StoreSource
 from .traces import origin_ns, rank_stages, span_records, with_span_details
 
 PART_COLUMNS = schema.PART_COLUMNS
@@ -43,11 +44,14 @@ def is_trace_id(value: str | None) -> bool:
 
 def open_store(db: str | os.PathLike | None = None, *, collector: str | None = None,
                token: str | None = None) -> "StoreReader":
-    """A reader of the store at ``db`` (whoever holds it) or of the collector at ``collector``."""
+    """A reader of the store at ``db`` (a DuckDB file, whoever holds it, or a shared store's
+    ``clickhouse://`` URL) or of the collector at ``collector``."""
     if collector:
         return StoreReader(CollectorSource(collector, token))
     if db is None:
         raise ValueError("give the store's path (--db) or a collector's URL (--collector)")
+    if is_clickhouse(str(db)):
+        return StoreReader(ClickHouseSource(str(db)))
     return StoreReader(AutoSource(db, token))
 
 

@@ -2,8 +2,8 @@
 
 A :class:`StoreSource` answers SQL with Arrow tables, says when its data changed, and hands back a
 trace's original spans; its :class:`Dialect` gives the few SQL fragments that differ between
-engines, so a second backend (the fleet's ClickHouse) implements the same questions by
-implementing these. Three DuckDB sources exist: :class:`FileSource` (a file no collector holds,
+engines, so a second backend implements the same questions by implementing these: the fleet's
+shared ClickHouse store is :class:`ClickHouseSource`. Three DuckDB sources exist: :class:`FileSource` (a file no collector holds,
 read-only), :class:`CollectorSource` (a running collector's query endpoint, :mod:`..query_service`)
 and :class:`AutoSource` (a file, read whichever way works now: it follows a collector starting
 or stopping).
@@ -25,8 +25,12 @@ from typing import Any, Protocol
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import schema
+from ..clickhouse import READ_SETTINGS, ClickHouseAddress
+from ..clickhouse import bind as clickhouse_bind
+from ..clickhouse import stored_spans as clickhouse_spans
 from ..model import SpanRow, decode, spans_at
 from ..query_service import QueryRefused, endpoint_file, run_query
 from ..wal import read_record
@@ -335,3 +339,102 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
     except (ValueError, KeyError, TypeError, OSError):
         return exc.reason or str(exc.code)
 
+
+
+class ClickHouseDialect(Dialect):
+    """ClickHouse's spelling of the same fragments (the same answers: :mod:`.quantiles`' definition is
+    ``quantilesExactInclusive``, time steps are counted from the epoch as DuckDB's are)."""
+
+    def time_bucket(self, column: str, step_s: int) -> str:
+        step_us = int(step_s) * 1_000_000
+        return f"fromUnixTimestamp64Micro(intDiv(toUnixTimestamp64Micro({column}), {step_us}) * {step_us}, 'UTC')"
+
+    def seconds_between(self, first: str, last: str) -> str:
+        return f"((toUnixTimestamp64Micro({last}) - toUnixTimestamp64Micro({first})) / 1e6)"
+
+    def quantiles(self, column: str, qs: Sequence[float]) -> str:
+        return f"quantilesExactInclusive({', '.join(repr(float(q)) for q in qs)})({column})"
+
+    def distinct_list(self, column: str, where: str) -> str:
+        return f"groupUniqArrayIf({column}, {where})"
+
+    def sample(self, rows: int, seed: int) -> str:
+        return f"ORDER BY sipHash64(trace_id, {int(seed)}) LIMIT {int(rows)}"
+
+    def json_string(self, column: str, path: str) -> str:
+        return f"JSONExtractString({column}, '{path}')"
+
+
+CLICKHOUSE = ClickHouseDialect()
+
+
+class ClickHouseSource:
+    """A shared ClickHouse store (``clickhouse://host:8123/database``, :mod:`..clickhouse`), the fleet's:
+    every collector writes it, every reader reads it directly."""
+
+    kind = "clickhouse"
+    dialect = CLICKHOUSE
+
+    def __init__(self, url: str) -> None:
+        self.address = ClickHouseAddress.parse(url)
+        self._client = None
+        self._lock = threading.Lock()
+
+    def query(self, sql: str, params: Sequence = ()) -> pa.Table:
+        try:
+            table = self._connected().query_arrow(*clickhouse_bind(sql, list(params)))
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # the driver's errors carry the server's message
+            if _is_refusal(exc):
+                raise QueryRefused(_first_line(exc)) from None
+            raise StoreUnavailable(f"{self.address}: {_first_line(exc)}") from None
+        return _like_duckdb(table)
+
+    def data_version(self) -> str:
+        row = self.query("SELECT count() AS commits, max(committed_at) AS last FROM commits").to_pylist()[0]
+        return f"clickhouse:{row['commits']}:{row['last']}"
+
+    def status(self) -> dict:
+        found = self.query("SELECT max(version) AS v FROM schema_version").to_pylist()[0]["v"]
+        if found != schema.SCHEMA_VERSION:
+            raise StoreUnavailable(f"{self.address}: written by a kvtrace with store schema {found or 'unknown'}; "
+                                   f"this kvtrace reads schema {schema.SCHEMA_VERSION}")
+        return {"source": "clickhouse", "url": str(self.address), "schema_version": found,
+                "data_version": self.data_version()}
+
+    def trace_spans(self, trace_id: str) -> list[SpanRow]:
+        return clickhouse_spans(self._connected(), trace_id)
+
+    def _connected(self):
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = self.address.client(**READ_SETTINGS)
+                except Exception as exc:
+                    raise StoreUnavailable(f"the ClickHouse store at {self.address} cannot be reached: "
+                                           f"{_first_line(exc)}") from None
+            return self._client
+
+
+def _like_duckdb(table: pa.Table) -> pa.Table:
+    """ClickHouse's answer in DuckDB's terms: unsigned integers as int64, and NULL where a division by
+    zero gave inf or nan (DuckDB gives NULL)."""
+    for i, field in enumerate(table.schema):
+        column = table.column(i)
+        if pa.types.is_unsigned_integer(field.type):
+            table = table.set_column(i, field.name, column.cast(pa.int64()))
+        elif pa.types.is_floating(field.type) and column.null_count < len(column):
+            finite = pc.is_finite(column)
+            if not pc.all(pc.fill_null(finite, True)).as_py():
+                table = table.set_column(i, field.name, pc.if_else(finite, column, None))
+    return table
+
+
+def _is_refusal(exc: Exception) -> bool:
+    """The server refused the query itself (a syntax error, an unknown column), not the connection."""
+    return getattr(exc, "code", None) is not None or "Code:" in str(exc)
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]

@@ -2,6 +2,9 @@
 
 ``Rotel`` runs the ``rotel`` agent (PyPI package ``rotel``: a Rust OTLP collector) on
 127.0.0.1 in the foreground of its own process group, with an OTLP or blackhole exporter.
+
+``ClickHouseServer`` runs a real ClickHouse server (the engine in PyPI ``chdb-core``, pinned) on
+127.0.0.1: a fleet's shared store for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -72,6 +75,67 @@ class Rotel:
             os.killpg(self._process.pid, signal.SIGTERM)
             try:
                 self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait(5)
+
+
+CLICKHOUSE_CONFIG = """<clickhouse>
+  <listen_host>127.0.0.1</listen_host>
+  <http_port>{http_port}</http_port>
+  <tcp_port>{tcp_port}</tcp_port>
+  <logger><level>warning</level><console>0</console></logger>
+</clickhouse>
+"""
+# chdb is ClickHouse in a library: this starts its HTTP and native listeners, then holds the server
+# up with a query that sleeps (a day at most); stopping kills that query, or the process.
+_CLICKHOUSE_SERVE = """import sys, chdb._chdb as chdb
+try:
+    chdb.query("SYSTEM START LISTEN HTTP; SYSTEM START LISTEN TCP; SELECT sleepEachRow(1) FROM numbers(86400) "
+               "SETTINGS function_sleep_max_microseconds_per_block = 0, max_block_size = 1", "TabSeparated",
+               path=sys.argv[1])
+except Exception as exc:
+    print(exc, file=sys.stderr)
+"""
+
+
+class ClickHouseServer:
+    """A ClickHouse server on 127.0.0.1 in its own process and folder, HTTP (``url``) and native ports."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.http_port, self.tcp_port = free_port(), free_port()
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="kvtrace-clickhouse-"))
+        self._process: subprocess.Popen | None = None
+
+    def store_url(self, database: str) -> str:
+        """The ``--store`` URL of a database on this server."""
+        return f"clickhouse://127.0.0.1:{self.http_port}/{database}"
+
+    def __enter__(self) -> "ClickHouseServer":
+        import sys
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "config.xml").write_text(CLICKHOUSE_CONFIG.format(http_port=self.http_port,
+                                                                             tcp_port=self.tcp_port))
+        self._process = subprocess.Popen([sys.executable, "-c", _CLICKHOUSE_SERVE, str(self.directory)],
+                                         cwd=self.directory, stdout=subprocess.DEVNULL,
+                                         stderr=open(self.directory / "stderr.log", "wb"), start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.http_port), 0.2):
+                return self
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the ClickHouse server exited with {self._process.returncode}: "
+                                   f"{(self.directory / 'stderr.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        self.__exit__()
+        raise TimeoutError("the ClickHouse server did not start listening within 60 s")
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGTERM)
+            try:
+                self._process.wait(15)
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(5)

@@ -101,12 +101,12 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
     """Requests are inserted by column name: the table the writer builds must name every column of
     ``requests`` (a column it forgot would otherwise be silently NULL) and no other."""
     from kvtrace.collectors.attribution import Attributor
-    from kvtrace.collectors.store import _request_table
+    from kvtrace.collectors.store import request_table
 
     collector = make_collector()
     built = build("push")
     rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
     breakdown = Attributor().attribute(built.trace_id, rows)
-    written = _request_table([breakdown], 1, {}, lambda key: 1).column_names
+    written = request_table([breakdown], 1, {}, lambda key: 1).column_names
     declared = [name for name, *_ in collector.store.query("DESCRIBE requests")]
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))

@@ -1,0 +1,559 @@
+"""The fleet's shared store: the same tables as the embedded DuckDB file (:mod:`.schema`), in ClickHouse.
+
+``--store clickhouse://[user[:password]@]host[:8123]/database`` (``clickhouses://`` for TLS) points a collector
+(the writer, :class:`ClickHouseStore`) and every reader (:class:`.read.sources.ClickHouseSource`) at one
+database, so several collectors write one store and one dashboard reads it. The layout:
+
+* ``otel_traces``: the raw spans, in the OpenTelemetry Collector ClickHouse exporter's layout (``Timestamp
+  DateTime64(9)``, ``TraceId``, ``SpanId``, ``ServiceName``, ``ResourceAttributes`` and ``SpanAttributes`` as
+  ``Map(LowCardinality(String), String)``, a bloom filter on ``TraceId``, ``PARTITION BY toDate``), so Grafana's
+  ClickHouse plugin and that exporter can share the table. A ``ReplacingMergeTree``: a span stored twice (a
+  sender's retry, a replay) collapses on its key. The attributes kept are those the collector reads
+  (:data:`.model.WANTED_ATTRIBUTES`); ``spans`` is a view of it with the embedded store's columns.
+* ``request_versions``: one row per decision, a ``ReplacingMergeTree`` ordered by trace id and versioned by
+  :func:`decision_version`, so the embedded store's rule holds across collectors and replays: a trace decided
+  again because late spans came (or a replay) replaces the stored row, the latest such decision winning, while a
+  first decision never overwrites one already there. ``requests`` is the view of each trace's winning row.
+* The rollups (``request_rollup``, ``tpot_rollup``, ``stage_rollup``) are views over ``requests``: grouped at
+  read time, so they are exact and need no retraction when a trace is decided again (ClickHouse groups a
+  million requests in well under a second); same columns as the embedded store's tables.
+* ``stage_keys`` and ``origins`` give each (side, stage) and each sender an id derived from its value
+  (:func:`stable_id`), so collectors that never talk to each other give the same thing the same id.
+* ``commits``: one row per flush of each writer, with how far its write-ahead log is applied (its replay starts
+  there) and the time readers key their caches on.
+
+Unlike DuckDB, ClickHouse has no transaction across tables: a flush writes the spans, then the requests, then
+its ``commits`` row. A collector killed half-way replays from its previous commit, and the replay's rows collapse
+onto what was written (spans by key, requests by version), so nothing is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from kvtrace.telemetry import semconv
+
+from . import schema
+from .breakdown import Breakdown, category_of
+from .model import Origin, SpanBatch, SpanRow
+from .store import record_tables, request_table
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("clickhouse://", "clickhouses://")
+READ_SETTINGS = {"aggregate_functions_null_for_empty": 1, "prefer_column_name_to_alias": 1}
+"""The reader's questions read as in DuckDB: aggregates over no rows are NULL (ClickHouse's default is 0),
+and a name is the column before a SELECT alias of the same name (``sum(ttft_ms) / sum(requests) AS ttft_ms``)."""
+
+
+def is_clickhouse(store: str | None) -> bool:
+    return bool(store) and store.lower().startswith(SCHEMES)
+
+
+@dataclass(frozen=True)
+class ClickHouseAddress:
+    """Where the store is: ``clickhouse://[user[:password]@]host[:port]/database``."""
+
+    host: str
+    port: int
+    database: str
+    user: str = "default"
+    password: str = ""
+    secure: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> "ClickHouseAddress":
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme.lower() not in ("clickhouse", "clickhouses") or not parts.hostname:
+            raise ValueError(f"--store {url}: use clickhouse://host:8123/database")
+        database = parts.path.strip("/") or "kvtrace"
+        if not database.replace("_", "").isalnum():
+            raise ValueError(f"--store {url}: {database!r} is not a database name (letters, digits, _)")
+        try:
+            port = parts.port or (8443 if parts.scheme.lower() == "clickhouses" else 8123)
+        except ValueError:
+            raise ValueError(f"--store {url}: not a port") from None
+        return cls(parts.hostname, port, database, urllib.parse.unquote(parts.username or "default"),
+                   urllib.parse.unquote(parts.password or ""), parts.scheme.lower() == "clickhouses")
+
+    def client(self, *, database: bool = True, **settings: Any):
+        """A client of the server (its HTTP interface); one per thread is not needed: it holds no session."""
+        import clickhouse_connect  # only a fleet's collectors and readers need it
+
+        return clickhouse_connect.get_client(
+            host=self.host, port=self.port, username=self.user, password=self.password, secure=self.secure,
+            database=self.database if database else "default", autogenerate_session_id=False,
+            settings=settings, connect_timeout=5, send_receive_timeout=60)
+
+    def __str__(self) -> str:
+        return f"clickhouse{'s' if self.secure else ''}://{self.host}:{self.port}/{self.database}"
+
+
+def stable_id(*parts: str) -> int:
+    """An id for a value that every collector derives alike (63 bits of its BLAKE2 hash)."""
+    digest = hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+_VERSION_BASE = 1 << 62
+
+
+def decision_version(decided_ns: int, replaces: bool) -> int:
+    """The ``request_versions`` version of a decision: a replacing decision outranks every first
+    decision and the latest of them wins; among first decisions the earliest wins (a stored row is kept)."""
+    return _VERSION_BASE + decided_ns if replaces else _VERSION_BASE - decided_ns
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+_MINUTE = "fromUnixTimestamp64Micro(intDiv(toUnixTimestamp64Micro(started_at), 60000000) * 60000000, 'UTC')"
+_FROM_REQUEST = (f"{_MINUTE} AS minute, run_id, mode, {schema.LENGTH_BUCKET_SQL} AS length_bucket, prefill_instance, "
+                 "decode_instance, complete")
+_TS = "DateTime64(6, 'UTC')"
+_ATTRS = "Map(LowCardinality(String), String)"
+
+TABLES = (
+    "CREATE TABLE IF NOT EXISTS schema_version (version UInt32) ENGINE = ReplacingMergeTree ORDER BY version",
+    f"""CREATE TABLE IF NOT EXISTS otel_traces (
+        Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)), TraceId String CODEC(ZSTD(1)), SpanId String CODEC(ZSTD(1)),
+        ParentSpanId String CODEC(ZSTD(1)), TraceState String CODEC(ZSTD(1)), SpanName LowCardinality(String),
+        SpanKind LowCardinality(String), ServiceName LowCardinality(String), ResourceAttributes {_ATTRS},
+        ScopeName String, ScopeVersion String, SpanAttributes {_ATTRS}, Duration UInt64,
+        StatusCode LowCardinality(String), StatusMessage String,
+        Events Nested (Timestamp DateTime64(9), Name LowCardinality(String), Attributes {_ATTRS}),
+        Links Nested (TraceId String, SpanId String, TraceState String, Attributes {_ATTRS}),
+        INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1)
+    ENGINE = ReplacingMergeTree PARTITION BY toDate(Timestamp)
+    ORDER BY (ServiceName, SpanName, toDateTime(Timestamp), TraceId, SpanId)""",
+    f"""CREATE TABLE IF NOT EXISTS request_versions (
+        trace_id String, request_id String, run_id LowCardinality(String), mode LowCardinality(String),
+        started_at {_TS}, ttft_ms Float64, {", ".join(f"{c} Float64" for c in schema.PART_COLUMNS)},
+        e2e_ms Nullable(Float64), tpot_ms Nullable(Float64), output_tokens Int32, prompt_tokens Int32,
+        rendezvous_order LowCardinality(String), engine_loop_ms Float64, transfer_bytes Int64,
+        transfer_descriptors Int64, transfer_post_us Int64, transfer_xfer_us Int64, block_count Int32,
+        kv_hold_ms Float64, prefill_instance LowCardinality(String), decode_instance LowCardinality(String),
+        complete Bool, missing String, error Bool, clock_offsets Map(String, Int64), clock_bounds Map(String, Int64),
+        clock_suspect Bool, stage_ids Array(Int64), stage_start_ns Array(Int64), stage_end_ns Array(Int64),
+        stage_critical_ns Array(Int64), flush_id Int64, updated_at {_TS},
+        client_ttft_ms Nullable(Float64), client_tpot_ms Nullable(Float64), client_itl_p50_ms Nullable(Float64),
+        client_itl_p99_ms Nullable(Float64), client_output_tokens Nullable(Int32), point_rate Nullable(Float64),
+        point_concurrency Nullable(Int32), point_prompt_tokens Nullable(Int32),
+        ttft_reference LowCardinality(String), explanation String, version UInt64)
+    ENGINE = ReplacingMergeTree(version) ORDER BY trace_id""",
+    f"""CREATE TABLE IF NOT EXISTS run_versions (run_id String, recorded_at {_TS}, config String)
+    ENGINE = ReplacingMergeTree(recorded_at) ORDER BY run_id""",
+    """CREATE TABLE IF NOT EXISTS stage_key_rows (stage_key Int64, side String, stage String, category String)
+    ENGINE = ReplacingMergeTree ORDER BY stage_key""",
+    """CREATE TABLE IF NOT EXISTS origin_rows (origin_id Int64, service String, instance String, role String,
+        mode String, run_id String, vllm_version String, nixl_version String, hardware String)
+    ENGINE = ReplacingMergeTree ORDER BY origin_id""",
+    f"""CREATE TABLE IF NOT EXISTS clock_samples (instance String, sent_at {_TS}, offset_ms Float64, bound_ms Float64)
+    ENGINE = MergeTree ORDER BY (instance, sent_at)""",
+    f"""CREATE TABLE IF NOT EXISTS collector_runs (collector_run_id String, started_at {_TS}, kvtrace_version String,
+        config String) ENGINE = MergeTree ORDER BY started_at""",
+    f"""CREATE TABLE IF NOT EXISTS collector_health (collector_run_id String, recorded_at {_TS},
+        {", ".join(f"{c} {'Float64' if c == 'lag_ms' else 'Int64'}" for c in schema.HEALTH_COLUMNS)})
+    ENGINE = MergeTree ORDER BY recorded_at""",
+    f"""CREATE TABLE IF NOT EXISTS commits (writer String, collector_run_id String, flush_id UInt64,
+        committed_at {_TS}, wal_segment Nullable(Int32), wal_offset Nullable(Int64))
+    ENGINE = MergeTree ORDER BY (writer, flush_id)""",
+)
+
+VIEWS = (
+    "CREATE OR REPLACE VIEW requests AS SELECT * EXCEPT (version) FROM request_versions FINAL",
+    "CREATE OR REPLACE VIEW runs AS SELECT * FROM run_versions FINAL",
+    "CREATE OR REPLACE VIEW stage_keys AS SELECT * FROM stage_key_rows FINAL",
+    "CREATE OR REPLACE VIEW origins AS SELECT * FROM origin_rows FINAL",
+    f"""CREATE OR REPLACE VIEW spans AS SELECT lower(TraceId) AS trace_id, lower(SpanId) AS span_id,
+        lower(ParentSpanId) AS parent_span_id, SpanName AS name, SpanAttributes['{semconv.ATTR_STAGE}'] AS stage,
+        ServiceName AS service, ResourceAttributes['{semconv.RES_SERVICE_INSTANCE_ID}'] AS instance,
+        ResourceAttributes['{semconv.RES_ROLE}'] AS role, ResourceAttributes['{semconv.RES_MODE}'] AS mode,
+        ResourceAttributes['{semconv.RES_RUN_ID}'] AS run_id, toUnixTimestamp64Nano(Timestamp) AS start_ns,
+        toUnixTimestamp64Nano(Timestamp) + Duration AS end_ns, Duration / 1e6 AS duration_ms,
+        toInt8(multiIf(StatusCode = 'Error', 2, StatusCode = 'Ok', 1, 0)) AS status
+    FROM otel_traces FINAL""",
+    """CREATE OR REPLACE VIEW stages AS SELECT trace_id, k.side AS side, k.stage AS stage, k.category AS category,
+        start_ns, end_ns, (end_ns - start_ns) / 1e6 AS duration_ms, critical_ns / 1e6 AS critical_ms
+    FROM (SELECT trace_id, stage_key, start_ns, end_ns, critical_ns FROM requests
+          ARRAY JOIN stage_ids AS stage_key, stage_start_ns AS start_ns, stage_end_ns AS end_ns,
+                     stage_critical_ns AS critical_ns) AS s
+    JOIN stage_keys AS k USING (stage_key)""",
+    # Each view groups a subquery that derives every bucket and product first: ClickHouse resolves a
+    # name to the SELECT's own alias (sum(ttft_ms) AS ttft_ms) before the column.
+    f"""CREATE OR REPLACE VIEW request_rollup AS
+    SELECT minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, error, rendezvous_order,
+           ttft_bucket, count() AS requests, sum(ttft_ms) AS ttft_ms,
+           {", ".join(f"sum({c}) AS {c}" for c in schema.PART_COLUMNS)}, sum(e2e_ms) AS e2e_ms,
+           sum(output_tokens) AS output_tokens, sum(engine_loop_ms) AS engine_loop_ms,
+           sum(transfer_bytes) AS transfer_bytes, sum(transfer_descriptors) AS transfer_descriptors,
+           sum(transfer_post_us) AS transfer_post_us, sum(transfer_xfer_us) AS transfer_xfer_us,
+           sum(kv_hold_ms) AS kv_hold_ms, sum(kv_block) AS kv_block_ms,
+           sum(prefill_offset) AS prefill_offset_ms, sum(decode_offset) AS decode_offset_ms,
+           countIf(clock_suspect) AS clock_suspect, min(prefill_offset) AS prefill_offset_min_ms,
+           min(decode_offset) AS decode_offset_min_ms, max(prefill_offset) AS prefill_offset_max_ms,
+           max(decode_offset) AS decode_offset_max_ms
+    FROM (SELECT *, {_FROM_REQUEST}, {schema.bucket_sql('ttft_ms')} AS ttft_bucket, block_count * kv_hold_ms AS kv_block,
+                 clock_offsets[prefill_instance] / 1e6 AS prefill_offset,
+                 clock_offsets[decode_instance] / 1e6 AS decode_offset FROM requests)
+    GROUP BY ALL""",
+    f"""CREATE OR REPLACE VIEW tpot_rollup AS
+    SELECT minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, tpot_bucket,
+           count() AS requests, sum(tpot_ms) AS tpot_ms, sum(output_tokens) AS output_tokens,
+           sum(engine_loop_ms) AS engine_loop_ms
+    FROM (SELECT *, {_FROM_REQUEST}, {schema.bucket_sql('tpot_ms')} AS tpot_bucket FROM requests WHERE tpot_ms > 0)
+    GROUP BY ALL""",
+    f"""CREATE OR REPLACE VIEW stage_rollup AS
+    SELECT minute, run_id, mode, length_bucket, prefill_instance, decode_instance, complete, stage_key,
+           duration_bucket, count() AS spans, countIf(critical > 0) AS on_path, sum(duration) AS duration_ms,
+           sum(critical) AS critical_ms
+    FROM (SELECT *, {schema.bucket_sql('duration')} AS duration_bucket
+          FROM (SELECT {_FROM_REQUEST}, stage_key, (end_ns - start_ns) / 1e6 AS duration, critical_ns / 1e6 AS critical
+                FROM requests ARRAY JOIN stage_ids AS stage_key, stage_start_ns AS start_ns, stage_end_ns AS end_ns,
+                                         stage_critical_ns AS critical_ns))
+    GROUP BY ALL""",
+)
+
+
+class SchemaMismatch(ValueError):
+    """The ClickHouse database was written by a kvtrace with different tables."""
+
+
+def create_schema(address: ClickHouseAddress) -> None:
+    """Create the database and its tables where missing; refuse, before writing, one of another schema."""
+    address.client(database=False).command(f"CREATE DATABASE IF NOT EXISTS {address.database}")
+    client = address.client()
+    found = client.query("SELECT max(version) FROM schema_version").result_rows[0][0] \
+        if client.command(f"EXISTS TABLE schema_version") else None
+    if found and found != schema.SCHEMA_VERSION:
+        raise SchemaMismatch(f"--store {address}: written by a kvtrace with store schema {found}, this one uses "
+                             f"{schema.SCHEMA_VERSION}; use a new database")
+    for statement in (*TABLES, *VIEWS):
+        client.command(statement)
+    if not found:
+        client.command(f"INSERT INTO schema_version VALUES ({schema.SCHEMA_VERSION})")
+
+
+# ---------------------------------------------------------------------------------------------- writer
+
+
+class ClickHouseStore:
+    """The collector's writer into a shared ClickHouse store: the embedded :class:`.store.Store`'s interface
+    (buffered adds, a writer thread that flushes every ``flush_interval_s`` or ``flush_rows`` spans)."""
+
+    def __init__(self, url: str, *, wal_dir: str, flush_interval_s: float = 0.5, flush_rows: int = 65_536) -> None:
+        self.address = ClickHouseAddress.parse(url)
+        self.path = str(self.address)
+        create_schema(self.address)
+        self._client = self.address.client()
+        self._read_client = self.address.client(**READ_SETTINGS)
+        # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.
+        self.writer = f"{socket.gethostname()}:{Path(wal_dir).resolve()}"
+        self._lock = threading.Lock()
+        self._db_lock = threading.Lock()
+        self._batches: list[tuple[list[SpanRow], tuple | None]] = []
+        self._rows = 0
+        self._breakdowns: dict[str, tuple[Breakdown, bool, int]] = {}
+        self._health: list[tuple] = []
+        self._clock_samples: list[tuple] = []
+        self._runs: dict[str, tuple] = {}
+        self._position: tuple[int, int] | None = None
+        self._stage_ids: dict[tuple[str, str], int] = {}
+        self._origin_ids: set[int] = set()
+        self.committed_position: tuple[int, int] | None = None
+        self.committed_at = 0.0
+        self._flush_ids = itertools.count(self._last_flush_id() + 1)
+        self.data_version = 0
+        self._flush_interval = flush_interval_s
+        self._flush_rows = flush_rows
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.collector_run_id = uuid.uuid4().hex[:12]
+
+    def _last_flush_id(self) -> int:
+        rows = self._client.query("SELECT max(flush_id) FROM commits WHERE writer = {w:String}",
+                                  parameters={"w": self.writer}).result_rows
+        return int(rows[0][0] or 0) if rows else 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, version: str, config: dict[str, Any]) -> None:
+        self._client.insert("collector_runs", [[self.collector_run_id, datetime.now(timezone.utc), version,
+                                                json.dumps(config, default=str)]],
+                            column_names=["collector_run_id", "started_at", "kvtrace_version", "config"])
+        self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.flush()
+        self._client.close()
+        self._read_client.close()
+
+    def wal_position(self) -> tuple[int, int]:
+        rows = self._client.query("SELECT wal_segment, wal_offset FROM commits WHERE writer = {w:String} AND "
+                                  "wal_segment IS NOT NULL ORDER BY flush_id DESC LIMIT 1",
+                                  parameters={"w": self.writer}).result_rows
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._flush_interval)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # the buffers went back: the next flush tries again
+                logger.exception("kvtrace store: a flush into %s failed; retrying", self.path)
+                time.sleep(1.0)
+
+    # ------------------------------------------------------------------ writes
+
+    def add_spans(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
+        with self._lock:
+            self._batches.append((batch.rows, position))
+            self._rows += len(batch.rows)
+            if position is not None:
+                self._position = position
+            full = self._rows >= self._flush_rows
+        if full:
+            self._wake.set()
+
+    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
+        with self._lock:
+            self._breakdowns[breakdown.trace_id] = (breakdown, replaces, time.time_ns())
+
+    def add_run(self, run_id: str, config: str, at_ns: int) -> None:
+        with self._lock:
+            self._runs[run_id] = (run_id, datetime.fromtimestamp(at_ns / 1e9, timezone.utc), config)
+
+    def add_clock_sample(self, sample: Any) -> None:
+        with self._lock:
+            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
+
+    def add_health(self, counters: dict[str, float]) -> None:
+        row = (self.collector_run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
+        with self._lock:
+            self._health.append(row)
+
+    def compact(self, until: datetime | None = None) -> None:
+        """Nothing to do: the rollups are views, and ClickHouse merges parts itself."""
+
+    def flush(self) -> None:
+        """Write everything buffered: spans, then requests and the rest, then this flush's commit row.
+        A failed write puts the buffers back (rows already written collapse when they are written again)."""
+        with self._lock:
+            batches, self._batches, self._rows = self._batches, [], 0
+            decided, self._breakdowns = self._breakdowns, {}
+            health, self._health = self._health, []
+            samples, self._clock_samples = self._clock_samples, []
+            runs, self._runs = self._runs, {}
+            position = self._position
+        if not batches and not decided and not health and not samples and not runs and position is None:
+            return
+        with self._db_lock:
+            flush_id = next(self._flush_ids)
+            try:
+                self._write(batches, list(decided.values()), health, samples, list(runs.values()), position, flush_id)
+            except Exception:
+                with self._lock:
+                    self._batches[:0] = batches
+                    self._rows += sum(len(rows) for rows, _ in batches)
+                    self._breakdowns = {**decided, **self._breakdowns}
+                    self._health[:0] = health
+                    self._clock_samples[:0] = samples
+                    self._runs = {**runs, **self._runs}
+                raise
+            self.data_version = flush_id
+            self.committed_at = time.time()
+        if position is not None:
+            self.committed_position = position
+
+    def _write(self, batches, decided, health, samples, runs, position, flush_id) -> None:
+        client = self._client
+        spans = [row for rows, _ in batches for row in rows]
+        if spans:
+            self._insert_origins({id(row.origin): row.origin for row in spans}.values())
+            client.insert_arrow("otel_traces", _otel_table(spans))
+        if decided:
+            new_stages: dict[tuple[str, str], int] = {}
+
+            def assign(key: tuple[str, str]) -> int:
+                found = new_stages[key] = stable_id(*key)
+                return found
+
+            table = request_table([b for b, _, _ in decided], flush_id, self._stage_ids, assign, pa.int64())
+            table = table.append_column("version", pa.array(
+                [decision_version(at, replaces) for _, replaces, at in decided], pa.uint64()))
+            if new_stages:
+                client.insert_arrow("stage_key_rows", pa.table({
+                    "stage_key": pa.array(list(new_stages.values()), pa.int64()),
+                    "side": [s for s, _ in new_stages], "stage": [s for _, s in new_stages],
+                    "category": [category_of(s) for _, s in new_stages]}))
+            client.insert_arrow("request_versions", table)
+            self._stage_ids.update(new_stages)
+        records = record_tables(samples, runs, health)
+        for name, table in records.items():
+            client.insert_arrow("run_versions" if name == "runs" else name, table)
+        client.insert("commits", [[self.writer, self.collector_run_id, flush_id, datetime.now(timezone.utc),
+                                   *(position if position is not None else (None, None))]],
+                      column_names=["writer", "collector_run_id", "flush_id", "committed_at", "wal_segment",
+                                    "wal_offset"])
+
+    def _insert_origins(self, origins) -> None:
+        """The senders not written yet by this collector (another's rows for the same sender collapse)."""
+        rows = []
+        for origin in origins:
+            values = (origin.service, origin.instance, origin.role, origin.mode, origin.run_id, origin.vllm_version,
+                      origin.nixl_version, origin.hardware)
+            origin_id = stable_id(*values)
+            if origin_id not in self._origin_ids:
+                rows.append((origin_id, *values))
+        if rows:
+            self._client.insert("origin_rows", rows, column_names=[
+                "origin_id", "service", "instance", "role", "mode", "run_id", "vllm_version", "nixl_version",
+                "hardware"])
+            self._origin_ids.update(row[0] for row in rows)
+
+    # ------------------------------------------------------------------ reads
+
+    def query(self, sql: str, params: list | None = None) -> list[tuple]:
+        """Rows of one SELECT (``?`` parameters), for the collector's own checks and tests."""
+        return self._read_client.query(*bind(sql, params)).result_rows
+
+    def stored_spans(self, trace_id: str) -> list[SpanRow]:
+        """The trace's stored spans, each once, with the attributes the collector reads."""
+        return stored_spans(self._read_client, trace_id)
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+_STATUS = ("Unset", "Ok", "Error")
+_RESOURCE_OF_ORIGIN = ((semconv.RES_SERVICE_INSTANCE_ID, "instance"), (semconv.RES_ROLE, "role"),
+                       (semconv.RES_MODE, "mode"), (semconv.RES_RUN_ID, "run_id"), (semconv.RES_HOST_NAME, "host"),
+                       (semconv.RES_VLLM_VERSION, "vllm_version"), (semconv.RES_NIXL_VERSION, "nixl_version"),
+                       (semconv.RES_HARDWARE, "hardware"))
+
+
+def _resource_attributes(origin: Origin) -> dict[str, str]:
+    found = {key: getattr(origin, name) for key, name in _RESOURCE_OF_ORIGIN if getattr(origin, name)}
+    if origin.contract:
+        found[semconv.RES_CONTRACT_VERSION] = str(origin.contract)
+    return found
+
+
+def _otel_table(spans: list[SpanRow]) -> pa.Table:
+    """Spans as ``otel_traces`` rows (the exporter's columns; events, links and the rest empty)."""
+    resources = {id(row.origin): _resource_attributes(row.origin) for row in spans}
+    attributes = [{**{k: str(v) for k, v in row.attrs.items()}, semconv.ATTR_STAGE: row.stage} for row in spans]
+    n = len(spans)
+
+    def attribute_map(maps: list[dict[str, str]]) -> pa.MapArray:
+        offsets = list(itertools.accumulate((len(m) for m in maps), initial=0))
+        return pa.MapArray.from_arrays(pa.array(offsets, pa.int32()), pa.array([k for m in maps for k in m]),
+                                       pa.array([v for m in maps for v in m.values()]))
+
+    return pa.table({
+        "Timestamp": pa.array([row.start for row in spans], pa.int64()).cast(pa.timestamp("ns", tz="UTC")),
+        "TraceId": [row.trace_id.hex() for row in spans],
+        "SpanId": [row.span_id.hex() for row in spans],
+        "ParentSpanId": [row.parent_span_id.hex() if row.parent_span_id.strip(b"\0") else "" for row in spans],
+        "SpanName": [row.name for row in spans],
+        "SpanKind": ["Unspecified"] * n,
+        "ServiceName": [row.origin.service for row in spans],
+        "ResourceAttributes": attribute_map([resources[id(row.origin)] for row in spans]),
+        "SpanAttributes": attribute_map(attributes),
+        "Duration": pa.array([row.end - row.start for row in spans], pa.uint64()),
+        "StatusCode": [_STATUS[row.status] if 0 <= row.status < 3 else "Unset" for row in spans],
+    })
+
+
+def stored_spans(client, trace_id: str) -> list[SpanRow]:
+    """A trace's spans from ``otel_traces`` as :class:`.model.SpanRow`, each span once, with protobuf
+    originals rebuilt from the stored columns (so the read side and the forwarder treat them as received
+    ones): the attributes the collector keeps, numbers as numbers."""
+    result = client.query(
+        "SELECT TraceId, SpanId, ParentSpanId, SpanName, toUnixTimestamp64Nano(Timestamp), Duration, StatusCode, "
+        "ServiceName, ResourceAttributes, SpanAttributes FROM otel_traces FINAL WHERE TraceId = {t:String} "
+        "ORDER BY Timestamp, SpanId", parameters={"t": trace_id.lower()})
+    origins: dict[tuple, Origin] = {}
+    rows: dict[str, SpanRow] = {}
+    for trace, span_id, parent, name, start, duration, status, service, resource, attrs in result.result_rows:
+        key = (service, tuple(sorted(resource.items())))
+        origin = origins.get(key)
+        if origin is None:
+            attributes = {semconv.RES_SERVICE_NAME: service, **resource}
+            message = Resource(attributes=[_key_value(k, v) for k, v in attributes.items()])
+            origin = origins[key] = Origin.of(attributes, message.SerializeToString())
+        values = {k: v if k in _TEXT_ATTRIBUTES else _typed(v) for k, v in attrs.items()}
+        stage = str(values.get(semconv.ATTR_STAGE) or name)
+        code = _STATUS.index(status) if status in _STATUS else 0
+        span = Span(trace_id=bytes.fromhex(trace), span_id=bytes.fromhex(span_id),
+                    parent_span_id=bytes.fromhex(parent) if parent else b"", name=name, start_time_unix_nano=start,
+                    end_time_unix_nano=start + duration, attributes=[_key_value(k, v) for k, v in values.items()],
+                    status=Status(code=code))
+        rows.setdefault(span_id, SpanRow(span.trace_id, span.span_id, span.parent_span_id, name, start,
+                                         start + duration, code, origin, stage, values, b"", span.SerializeToString()))
+    return list(rows.values())
+
+
+def _key_value(key: str, value: Any) -> KeyValue:
+    if isinstance(value, bool):
+        return KeyValue(key=key, value=AnyValue(bool_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    if isinstance(value, float):
+        return KeyValue(key=key, value=AnyValue(double_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+
+_TEXT_ATTRIBUTES = frozenset({semconv.ATTR_STAGE, semconv.ATTR_REQUEST_ID, semconv.ATTR_FAILURE_CAUSE, semconv.RUN_CONFIG})
+
+
+def _typed(value: str) -> Any:
+    """An attribute stored as text, as the number it was where it reads as one."""
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def bind(sql: str, params: list | tuple | None) -> tuple[str, Any]:
+    """DuckDB-style ``?`` parameters as clickhouse-connect's client-side ``%s`` binding; times in UTC."""
+    if not params:
+        return sql, None
+    values = tuple(_param(p) for p in params)
+    return sql.replace("%", "%%").replace("?", "%s"), values
+
+
+def _param(value: Any) -> Any:
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")
+    return value

@@ -1,0 +1,214 @@
+"""The fleet's shared store: a real ClickHouse server (chdb-core) written by a real collector answers every
+reader question with the numbers the embedded DuckDB store gives for the same spans."""
+
+import math
+import time
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+
+from kvtrace.collectors import clickhouse
+from kvtrace.collectors.config import CollectorConfig
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.read import Filters, StoreUnavailable, open_store
+from kvtrace.collectors.service import Collector
+from kvtrace.testbed.synthetic import Generator, Workload
+from tests.collectors.traces import build
+
+START = datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=20)
+
+
+def _payloads() -> list[bytes]:
+    """Synthetic traffic over ~6 minutes and two runs (failures and incomplete traces included), and contract
+    traces of every shape: kv_first, a failed READ, a missing completion, a late TP rank, skewed clocks."""
+    workload = Workload(rate_per_s=4.0, failure_rate=0.05, incomplete_rate=0.05, late_registration_rate=0.2,
+                        run_every_s=180.0, seed=11)
+    synthetic = list(Generator(workload).requests(1_500, int(START.timestamp() * 1e9), per_request=200))
+    shapes = [build("push", "kv_first"), build("pull", fail="read"), build("push", drop={"decode:completion"}),
+              build("pull", late_rank_ms=40.0), build("push", skew_ms={"prefill": 30.0, "decode": -20.0}),
+              build("push", drop={"decode"})]
+    return synthetic + [request.SerializeToString() for built in shapes for request in built.requests]
+
+
+def _collect(store: str, wal_dir, payloads: list[bytes]) -> None:
+    collector = Collector(CollectorConfig(db_path=store, wal_dir=str(wal_dir), grpc_port=None, http_port=0,
+                                          query_port=None, decision_wait_s=0.0))
+    collector.start()
+    for payload in payloads:
+        collector.consume(SpanBatch.decode(payload))
+    collector.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stores(clickhouse_server, tmp_path_factory):
+    """The same spans in a DuckDB file and in a ClickHouse database, each written by a collector."""
+    folder = tmp_path_factory.mktemp("parity")
+    payloads = _payloads()
+    duck = str(folder / "kvtrace.duckdb")
+    _collect(duck, folder / "duck-wal", payloads)
+    url = clickhouse_server.store_url("parity")
+    _collect(url, folder / "clickhouse-wal", payloads)
+    return open_store(duck), open_store(url)
+
+
+WINDOW = Filters(since=START + timedelta(minutes=1), until=START + timedelta(minutes=4))
+NARROW = Filters(modes=("push",), min_length_bucket=9, max_length_bucket=12)
+FILTERS = {"all": Filters(), "window": WINDOW, "push-length": NARROW}
+QUESTIONS = ["kpis", "unattributed_shares", "parts_by_mode", "cohorts", "ttft_over_time", "ttft_cdf",
+             "parts_by_length", "transfers", "stage_table", "stage_heatmap", "rendezvous", "kv_hold",
+             "decode_smoothness", "slowest", "health"]
+
+
+def _plain(value):
+    """An answer as plain Python (tables as rows, rows of a question that does not order them sorted)."""
+    if isinstance(value, pa.Table):
+        value = value.to_pylist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        if items and all(isinstance(v, dict) for v in items):
+            items.sort(key=lambda row: repr(sorted((k, v) for k, v in row.items() if not isinstance(v, float))))
+        return items
+    return value
+
+
+def _same(a, b, where="answer"):
+    if isinstance(a, float) or isinstance(b, float):
+        assert a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), \
+            f"{where}: DuckDB {a!r}, ClickHouse {b!r}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: {len(a)} rows != {len(b) if b else b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: DuckDB {a!r}, ClickHouse {b!r}"
+
+
+def test_the_stores_hold_the_same_requests(stores):
+    duck, house = stores
+    assert house.source.kind == "clickhouse"
+    count = "SELECT count(*) AS n, count(DISTINCT trace_id) AS traces FROM requests"
+    assert duck.sql(count).to_pylist() == house.sql(count).to_pylist()
+    assert duck.sql(count).to_pylist()[0]["n"] > 1_000
+
+
+def test_filter_options_are_the_same(stores):
+    duck, house = stores
+    _same(_plain(duck.filter_options()), _plain(house.filter_options()))
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=str)
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_every_reader_question_has_the_same_answer(stores, question, filters):
+    duck, house = stores
+    a, b = (_plain(getattr(reader, question)(FILTERS[filters])) for reader in stores)
+    if question == "health":  # the collectors' own counters differ (other runs, other timings): same columns
+        a_runs, b_runs = a.pop("collector"), b.pop("collector")  # (recorded now: outside a past window)
+        assert bool(a_runs) == bool(b_runs) == (filters != "window")
+        assert not a_runs or a_runs[0].keys() == b_runs[0].keys()
+    assert a, f"{question}: nothing to compare"
+    _same(a, b, question)
+
+
+def test_a_request_sample_holds_the_same_tail_and_size(stores):
+    duck, house = stores
+    a, b = (_plain(reader.requests_sample(Filters(), sample=300, top=20)) for reader in stores)
+    assert len(a) == len(b) == 320
+    _same([r for r in a if r["top"]], [r for r in b if r["top"]], "top")
+
+
+def test_a_box_compared_with_the_rest_is_the_same(stores):
+    duck, house = stores
+    args = (Filters(), START + timedelta(minutes=2), START + timedelta(minutes=3, seconds=30), 0.0, 400.0)
+    a, b = (_plain(reader.compare(*args)) for reader in stores)
+    assert a["selected"] > 0
+    _same(a, b, "compare")
+
+
+def test_one_trace_is_the_same(stores):
+    duck, house = stores
+    slowest = duck.slowest(Filters(), limit=3).column("trace_id").to_pylist()
+    failed = duck.sql("SELECT trace_id FROM requests WHERE error LIMIT 1").column(0).to_pylist()
+    for trace_id in slowest + failed:
+        a, b = duck.trace(trace_id), house.trace(trace_id)
+        for found in (a, b):  # which commit wrote the row, and when, are the store's own
+            del found["request"]["flush_id"], found["request"]["updated_at"]
+        _same(_plain(a), _plain(b), trace_id)
+        assert house.explanation(trace_id) == duck.explanation(trace_id) != ""
+        # the spans: the same, with the attributes the collector reads (a shared store keeps those)
+        spans_a, spans_b = (sorted(r.trace_spans(trace_id), key=lambda s: (s["start_ns"], s["span_id"]))
+                            for r in stores)
+        assert [(s["span_id"], s["name"], s["start_ns"], s["end_ns"], s["status"], s["stage"]) for s in spans_a] == \
+               [(s["span_id"], s["name"], s["start_ns"], s["end_ns"], s["status"], s["stage"]) for s in spans_b]
+        for x, y in zip(spans_a, spans_b):
+            kept = {k: v for k, v in x["attributes"].items() if k in y["attributes"]}
+            assert kept and kept == {k: v for k, v in y["attributes"].items() if k in kept}
+        assert house.trace_view(trace_id)["stages"]
+    assert house.trace("0" * 32) is None
+
+
+def _collect_in_steps(store: str, wal_dir, steps: list[list[bytes]]) -> None:
+    """One collector given each step's requests, its traces decided and committed before the next."""
+    collector = Collector(CollectorConfig(db_path=store, wal_dir=str(wal_dir), grpc_port=None, http_port=0,
+                                          query_port=None, decision_wait_s=0.0))
+    collector.start()
+    for step in steps:
+        for payload in step:
+            collector.consume(SpanBatch.decode(payload))
+        deadline = time.monotonic() + 10
+        while collector.intake.queued() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        collector.assembler.poll(flush_all=True)
+        collector.store.flush()
+    collector.shutdown()
+
+
+def test_late_spans_replace_the_decision_and_a_replay_collapses(clickhouse_server, tmp_path):
+    """D's spans arrive after the trace was decided without them: the stored row is replaced, in
+    ClickHouse as in DuckDB. The same spans written again by another collector (a replay after a kill)
+    leave each span and each request once."""
+    built = build("push")
+    requests = [r.SerializeToString() for r in built.requests]
+    decode = [p for p, r in zip(requests, built.requests)
+              if any(a.value.string_value == "consumer" for rs in r.resource_spans for a in rs.resource.attributes)]
+    early = [p for p in requests if p not in decode]
+    assert decode and early
+    answers = []
+    for store in (str(tmp_path / "late.duckdb"), clickhouse_server.store_url("late")):
+        _collect_in_steps(store, tmp_path / f"wal-{len(answers)}", [early, decode])
+        reader = open_store(store)
+        answers.append(_plain(reader.sql(
+            "SELECT trace_id, complete, missing, ttft_ms, compute_ms, coordination_ms, wire_ms FROM requests")))
+    assert answers[0] == answers[1] and answers[0][0]["complete"] is True
+    url = clickhouse_server.store_url("late")
+    _collect(url, tmp_path / "wal-again", requests)  # another collector, the same spans again
+    reader = open_store(url)
+    spans = reader.sql("SELECT count(*) AS n, count(DISTINCT span_id) AS ids FROM spans").to_pylist()[0]
+    assert spans["n"] == spans["ids"] == sum(len(s.spans) for r in built.requests for rs in r.resource_spans
+                                               for s in rs.scope_spans)
+    assert _plain(reader.sql("SELECT trace_id, complete, missing, ttft_ms, compute_ms, coordination_ms, wire_ms "
+                             "FROM requests")) == answers[1]
+
+
+def test_a_bad_store_url_and_an_unreachable_server_say_so(clickhouse_server):
+    with pytest.raises(ValueError, match="--store"):
+        CollectorConfig(db_path="clickhouse://", grpc_port=None, http_port=0).validate()
+    with pytest.raises(ValueError, match="not a database name"):
+        clickhouse.ClickHouseAddress.parse("clickhouse://127.0.0.1:8123/a-b")
+    reader = open_store("clickhouse://127.0.0.1:9/nowhere")
+    with pytest.raises(StoreUnavailable, match="clickhouse://127.0.0.1:9/nowhere"):
+        reader.kpis(Filters())
+
+
+def test_decision_versions_rank_replacements_above_first_decisions():
+    first, later_first = clickhouse.decision_version(100, False), clickhouse.decision_version(200, False)
+    replaced, replaced_again = clickhouse.decision_version(150, True), clickhouse.decision_version(300, True)
+    assert later_first < first < replaced < replaced_again
+    assert time.time_ns() < 2 ** 62  # the versions never cross
