@@ -104,6 +104,13 @@ class Assembler:
     def pending(self) -> int:
         return len(self._pending)
 
+    def forget(self, trace_ids: set[bytes]) -> None:
+        """Drop these traces undecided (their spans are another collector's to assemble now: a Kafka
+        partition moved, :mod:`.kafka`)."""
+        with self._lock:
+            for trace_id in trace_ids:
+                self._pending.pop(trace_id, None)
+
     def _decide_all(self, ready: list[tuple[bytes, TraceBuffer]]) -> None:
         if not ready:
             return

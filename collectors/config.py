@@ -22,6 +22,8 @@ DEFAULT_QUEUE_REQUESTS = 2_000
 DEFAULT_DECISION_WAIT_S = 2.0
 DEFAULT_MAX_AGE_S = 30.0
 DEFAULT_MAX_TRACES = 20_000
+DEFAULT_KAFKA_TOPIC = "otlp_spans"  # the OpenTelemetry Collector kafka exporter's default topic
+DEFAULT_KAFKA_GROUP = "kvtrace"
 
 
 @dataclasses.dataclass
@@ -83,6 +85,10 @@ class CollectorConfig:
     archive_bytes: int = DEFAULT_ARCHIVE_BYTES  # originals kept in the write-ahead log beyond what it needs
     metrics_port: int | None = None
     query_port: int | None = 0  # the read-only query endpoint; 0: any free port; None: off
+    kafka_brokers: str | None = None  # read OTLP export requests from Kafka too (.kafka)
+    kafka_topic: str = DEFAULT_KAFKA_TOPIC
+    kafka_group: str = DEFAULT_KAFKA_GROUP
+    kafka_options: dict[str, str] = dataclasses.field(default_factory=dict)  # librdkafka properties
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> "CollectorConfig":
@@ -98,7 +104,9 @@ class CollectorConfig:
             metrics_port=args.metrics_port, query_port=None if args.query_port < 0 else args.query_port,
             decision_wait_s=args.decision_wait, max_age_s=args.max_age, max_traces=args.max_traces,
             queue_requests=args.queue_requests, max_body_bytes=args.max_body_bytes, fsync=args.fsync,
-            archive_bytes=int(args.archive_gib * 1024**3))
+            archive_bytes=int(args.archive_gib * 1024**3),
+            kafka_brokers=args.kafka, kafka_topic=args.topic, kafka_group=args.group,
+            kafka_options=_properties(args.kafka_option))
 
     @property
     def shared_store(self) -> bool:
@@ -116,8 +124,8 @@ class CollectorConfig:
                            ("--metrics-port", self.metrics_port), ("--query-port", self.query_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{flag} {port}: not a port")
-        if self.grpc_port is None and self.http_port is None:
-            raise ValueError("at least one of --grpc-port and --http-port is needed")
+        if self.grpc_port is None and self.http_port is None and not self.kafka_brokers:
+            raise ValueError("at least one of --grpc-port, --http-port and --kafka is needed")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
@@ -139,6 +147,17 @@ class CollectorConfig:
             raise ValueError(f"--decision-wait {self.decision_wait_s:g}: must be >= 0")
         if self.max_age_s <= 0:
             raise ValueError(f"--max-age {self.max_age_s:g}: must be > 0")
+
+
+def _properties(pairs: list[str]) -> dict[str, str]:
+    """``--kafka-option key=value`` flags as librdkafka properties."""
+    found = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--kafka-option {pair!r}: use key=value (a librdkafka property)")
+        found[key.strip()] = value.strip()
+    return found
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +196,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export requests waiting for the pipeline before senders are told to retry (503)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest export request accepted (413 / RESOURCE_EXHAUSTED beyond)")
+    parser.add_argument("--kafka", metavar="BROKERS",
+                        help="also read OTLP export requests (otlp_proto, keyed by trace id) from Kafka: "
+                             "host:port[,host:port...]; collectors with the same --group share the topic's partitions")
+    parser.add_argument("--topic", default=DEFAULT_KAFKA_TOPIC, help=f"with --kafka: the topic (default {DEFAULT_KAFKA_TOPIC})")
+    parser.add_argument("--group", default=DEFAULT_KAFKA_GROUP, help=f"with --kafka: the consumer group (default {DEFAULT_KAFKA_GROUP})")
+    parser.add_argument("--kafka-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --kafka: a librdkafka property, repeatable (e.g. security.protocol=SSL)")
     parser.add_argument("--fsync", action="store_true", help="fsync the write-ahead log on every request")
     parser.add_argument("--archive-gib", type=float, default=DEFAULT_ARCHIVE_BYTES / 1024**3,
                         help="keep the original requests in the write-ahead log up to this size "

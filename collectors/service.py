@@ -37,6 +37,7 @@ from .model import DECODER, PermanentError, SpanBatch, SpanRow, rebuild_request,
 from .query_service import QueryService
 from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .clickhouse import ClickHouseStore
+from .kafka import KafkaReceiver
 from .store import Store
 from .wal import WriteAheadLog
 
@@ -79,6 +80,8 @@ class Intake:
         self._metrics = metrics
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.BoundedSemaphore(queue_requests)
+        self._in_flight = 0  # consumed and not yet done
+        self._idle = threading.Condition()
 
     def consume(self, batch: SpanBatch) -> None:
         if not self._slots.acquire(blocking=False):
@@ -89,6 +92,8 @@ class Intake:
         except Exception:
             self._slots.release()
             raise
+        with self._idle:
+            self._in_flight += 1
         self._queue.put((position, batch))
 
     def next(self, timeout_s: float) -> tuple[tuple[int, int], SpanBatch] | None:
@@ -100,6 +105,15 @@ class Intake:
 
     def done(self) -> None:
         self._slots.release()
+        with self._idle:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every request consumed so far went through the pipeline; False after ``timeout_s``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._in_flight, timeout_s)
 
     def queued(self) -> int:
         return self._queue.qsize()
@@ -132,8 +146,17 @@ class Decider:
                  stored_rows: Callable[[str], list[SpanRow]]) -> None:
         self.attributor, self._store, self._metrics, self._forwarder = attributor, store, metrics, forwarder
         self._replaying, self._stored_rows = replaying, stored_rows
+        self.on_decided: Callable[[bytes], None] | None = None
+        """Told each trace once its decision is in the store's buffers (the Kafka receiver's commits)."""
 
     def consume(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
+        try:
+            self._decide(trace_id, spans, late)
+        finally:
+            if self.on_decided is not None:
+                self.on_decided(trace_id)
+
+    def _decide(self, trace_id: bytes, spans: list[SpanRow], late: bool) -> None:
         if spans[0].name == semconv.SPAN_RUN:  # a run record, in a trace of its own: no request to attribute
             for span in spans:
                 if span.name == semconv.SPAN_RUN and span.origin.run_id:
@@ -198,6 +221,7 @@ class Collector:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kvtrace-pipeline", daemon=True)
         self.receivers: list[Any] = []
+        self.kafka: KafkaReceiver | None = None
         self.query_service: QueryService | None = None
         self._next_release = 0.0
         self._next_health = 0.0
@@ -225,7 +249,8 @@ class Collector:
                          {k: v for k, v in vars(c).items() if k != "bearer_token"})
         for upstream in self.upstreams:
             upstream.start()
-        self._replay()
+        if not c.kafka_brokers:  # from Kafka, the topic is the log: a restart reads on from the last commit
+            self._replay()
         self._thread.start()
         if c.metrics_port is not None:
             with _listening("metrics-port", c.host, c.metrics_port):
@@ -240,6 +265,13 @@ class Collector:
                 self.receivers.append(OtlpHttpReceiver(self.consume, c.host, c.http_port, bearer_token=c.bearer_token,
                                                        max_body_bytes=c.max_body_bytes, tls=self._tls(),
                                                        clock=self.clocks.exchange))
+        if c.kafka_brokers:
+            self.kafka = KafkaReceiver(self.consume, brokers=c.kafka_brokers, topic=c.kafka_topic, group=c.kafka_group,
+                                       options=c.kafka_options, store_version=lambda: self.store.data_version,
+                                       flush_store=self.store.flush, forget=self.assembler.forget,
+                                       drain=self.intake.drain)
+            self.decider.on_decided = self.kafka.decided
+            self.receivers.append(self.kafka)
         for receiver in self.receivers:
             receiver.start()
         if c.query_port is not None and not c.shared_store:  # a shared store's readers query it directly

@@ -3,6 +3,9 @@
 ``Rotel`` runs the ``rotel`` agent (PyPI package ``rotel``: a Rust OTLP collector) on
 127.0.0.1 in the foreground of its own process group, with an OTLP or blackhole exporter.
 
+``KafkaMockCluster`` runs librdkafka's mock Kafka cluster (shipped in ``confluent-kafka``) in a process of
+its own, with topics of a given partition count: real Kafka-protocol brokers on 127.0.0.1.
+
 ``ClickHouseServer`` runs a real ClickHouse server (the engine in PyPI ``chdb-core``, pinned) on
 127.0.0.1: a fleet's shared store for tests and benchmarks.
 """
@@ -136,6 +139,66 @@ class ClickHouseServer:
             os.killpg(self._process.pid, signal.SIGTERM)
             try:
                 self._process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait(5)
+
+
+# librdkafka's mock cluster, created through its C API (confluent-kafka does not wrap it): brokers that
+# speak the Kafka protocol on 127.0.0.1, with topics made at the partition count asked for.
+_KAFKA_MOCK = """import ctypes, glob, os, sys, time
+import confluent_kafka
+lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(confluent_kafka.__file__) + ".libs", "librdkafka*.so*"))[0])
+lib.rd_kafka_conf_new.restype = ctypes.c_void_p
+lib.rd_kafka_conf_set.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+lib.rd_kafka_new.restype = ctypes.c_void_p
+lib.rd_kafka_new.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+lib.rd_kafka_mock_cluster_new.restype = ctypes.c_void_p
+lib.rd_kafka_mock_cluster_new.argtypes = [ctypes.c_void_p, ctypes.c_int]
+lib.rd_kafka_mock_cluster_bootstraps.restype = ctypes.c_char_p
+lib.rd_kafka_mock_cluster_bootstraps.argtypes = [ctypes.c_void_p]
+lib.rd_kafka_mock_topic_create.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+error = ctypes.create_string_buffer(512)
+conf = lib.rd_kafka_conf_new()
+lib.rd_kafka_conf_set(conf, b"log_level", b"3", error, 512)
+handle = lib.rd_kafka_new(0, conf, error, 512)
+cluster = lib.rd_kafka_mock_cluster_new(handle, int(sys.argv[1]))
+for spec in sys.argv[2:]:
+    name, partitions = spec.rsplit(":", 1)
+    if lib.rd_kafka_mock_topic_create(cluster, name.encode(), int(partitions), 1):
+        sys.exit(f"cannot create topic {name}")
+print(lib.rd_kafka_mock_cluster_bootstraps(cluster).decode(), flush=True)
+sys.stdin.read()  # up until the parent closes our stdin (or stops us)
+"""
+
+
+class KafkaMockCluster:
+    """librdkafka's mock cluster of ``brokers`` brokers on 127.0.0.1, with ``topics`` (name -> partitions);
+    ``bootstrap_servers`` once entered."""
+
+    def __init__(self, topics: dict[str, int], brokers: int = 3) -> None:
+        self.topics, self.brokers = topics, brokers
+        self.bootstrap_servers = ""
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "KafkaMockCluster":
+        import sys
+
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _KAFKA_MOCK, str(self.brokers), *(f"{t}:{n}" for t, n in self.topics.items())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+        line = self._process.stdout.readline().strip()
+        if not line:
+            self.__exit__()
+            raise RuntimeError("librdkafka's mock cluster did not start")
+        self.bootstrap_servers = line
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(5)

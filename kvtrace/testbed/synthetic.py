@@ -108,7 +108,7 @@ class Generator:
             else:
                 run, mode = 0, "push" if rng.random() < w.push_share else "pull"
             instances = self._instances(mode, run)
-            for side, span in self._trace(i, mode, t):
+            for side, span in self.request_spans(i, mode, t):
                 grouped.setdefault(instances[side], []).append(span)
                 spans_in += 1
             if spans_in >= per_request:
@@ -122,7 +122,8 @@ class Generator:
         return b"".join(field(1, field(1, inst.resource()) + field(2, _SCOPE + b"".join(field(2, s) for s in spans)))
                         for inst, spans in grouped.items())
 
-    def _trace(self, i: int, mode: str, t0: int) -> list[tuple[str, bytes]]:
+    def request_spans(self, i: int, mode: str, t0: int, skew_ns: dict[str, int] | None = None) -> list[tuple[str, bytes]]:
+        """One request's spans as (side, span bytes); ``skew_ns``: each side's clock ahead of the router's."""
         rng, w = self._rng, self.w
         trace_id = rng.getrandbits(128).to_bytes(16, "big")
         root_id = rng.getrandbits(64).to_bytes(8, "big")
@@ -134,9 +135,12 @@ class Generator:
         failed = rng.random() < w.failure_rate
         drop_completion = rng.random() < w.incomplete_rate
 
+        skews = skew_ns or {}
+
         def put(side: str, stage: Stage, start_ms: float, end_ms: float, extra: bytes = b"", error: str | None = None):
+            at = t0 + skews.get(side, 0)
             out.append((side, _span(trace_id, rng.getrandbits(64).to_bytes(8, "big"), root_id, stage,
-                                    t0 + int(start_ms * MS), t0 + int(end_ms * MS), request_attr + extra, error)))
+                                    at + int(start_ms * MS), at + int(end_ms * MS), request_attr + extra, error)))
 
         load = rng.random()  # how busy the engines are for this request
         route = 0.05 + rng.random() * 0.2

@@ -1,0 +1,114 @@
+"""Fleet mode: collectors in one Kafka consumer group (librdkafka's mock cluster, real Kafka protocol) write
+one shared ClickHouse store; what they decide is what one embedded collector decides from the same spans."""
+
+import time
+
+import pytest
+
+from kvtrace.collectors.config import CollectorConfig
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.read import open_store
+from kvtrace.collectors.service import Collector
+from kvtrace.testbed.fleet import FleetGenerator, FleetShape, publish
+from kvtrace.testbed.peers import KafkaMockCluster
+
+TOPIC, PARTITIONS = "otlp_spans", 6
+TRACES = 3_000
+COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms", "coordination_ms", "wire_ms",
+            "unattributed_ms", "complete", "missing", "error", "rendezvous_order", "prefill_instance",
+            "decode_instance", "clock_offsets", "stage_start_ns", "stage_end_ns", "stage_critical_ns", "explanation")
+
+
+@pytest.fixture(scope="module")
+def kafka():
+    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2}) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def fleet_messages():
+    generator = FleetGenerator(FleetShape(routers=2, prefill=16, decode=16, skew_ms=50.0))
+    return list(generator.messages(TRACES, time.time_ns() - 600 * 10**9))
+
+
+def _fleet_collector(store: str, kafka, tmp_path, name: str, **overrides) -> Collector:
+    collector = Collector(CollectorConfig(db_path=store, wal_dir=str(tmp_path / name), grpc_port=None, http_port=None,
+                                          query_port=None, decision_wait_s=0.5, kafka_brokers=kafka.bootstrap_servers,
+                                          **overrides))
+    collector.start()
+    return collector
+
+
+def _rows(reader) -> dict[str, dict]:
+    columns = ", ".join(COMPARED)
+    return {r["trace_id"]: r for r in reader.sql(f"SELECT {columns} FROM requests").to_pylist()}
+
+
+def _wait(condition, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_collector(
+        kafka, fleet_messages, clickhouse_server, tmp_path):
+    url = clickhouse_server.store_url("fleet")
+    collectors = [_fleet_collector(url, kafka, tmp_path, f"c{i}", kafka_topic=TOPIC, kafka_group="fleet")
+                  for i in range(3)]
+    try:
+        _wait(lambda: all(c.kafka.stats.partitions for c in collectors), 60, "the group to share the partitions")
+        assert publish(kafka.bootstrap_servers, TOPIC, fleet_messages) == len(fleet_messages)
+        reader = open_store(url)
+        _wait(lambda: reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"] >= TRACES, 180,
+              "every trace in the store")
+        _wait(lambda: all(c.kafka.pending_traces() == 0 for c in collectors), 30, "every trace durable")
+        owned = [set(c.kafka.stats.partitions) for c in collectors]
+    finally:
+        for c in collectors:
+            c.shutdown()
+    assert sorted(p for o in owned for p in o) == list(range(PARTITIONS)), owned  # each partition one owner
+    decided = [c.assembler.stats.traces_decided for c in collectors]
+    late = sum(c.assembler.stats.traces_late for c in collectors)
+    assert sum(decided) - late == TRACES, decided  # each trace decided by one collector: none split
+    assert all(decided), decided
+    assert sum(c.kafka.stats.unkeyed for c in collectors) == 0
+
+    embedded = str(tmp_path / "embedded.duckdb")
+    one = Collector(CollectorConfig(db_path=embedded, grpc_port=None, http_port=0, query_port=None,
+                                    decision_wait_s=0.5))
+    one.start()
+    for _, value in fleet_messages:
+        one.consume(SpanBatch.decode(value))
+    one.shutdown()
+    fleet, alone = _rows(open_store(url)), _rows(open_store(embedded))
+    assert len(fleet) == len(alone) == TRACES
+    # Each trace's breakdown is computed from its own spans, except the clock offsets inferred for a process
+    # without clock exchanges: those come from a window over the process's recent traces (.clocks), which a
+    # shard sees a third of. Where a trace's offsets match, its breakdown matches to the ns.
+    same_clocks = [t for t in alone if alone[t]["clock_offsets"] == fleet[t]["clock_offsets"]]
+    assert len(same_clocks) >= 0.9 * TRACES, len(same_clocks)
+    different = {t: sorted(k for k in COMPARED if alone[t][k] != fleet[t][k]) for t in same_clocks
+                 if alone[t] != fleet[t]}
+    assert not different, (len(different), list(different.items())[:3])
+    independent = ("mode", "started_at", "ttft_ms", "complete", "missing", "error", "prefill_instance",
+                   "decode_instance")
+    assert all(alone[t][k] == fleet[t][k] for t in alone for k in independent)
+    drift = max(abs(a - b) for t in alone for (_, a), (_, b) in zip(alone[t]["clock_offsets"],
+                                                                     fleet[t]["clock_offsets"]))
+    assert drift < 2_000_000, drift  # ns: the windows' estimates stay within 2 ms of each other
+
+
+def test_messages_not_keyed_by_trace_id_are_counted_and_warned_about(kafka, fleet_messages, clickhouse_server,
+                                                                     tmp_path, caplog):
+    collector = _fleet_collector(clickhouse_server.store_url("unkeyed"), kafka, tmp_path, "u", kafka_topic="unkeyed",
+                                 kafka_group="unkeyed")
+    try:
+        publish(kafka.bootstrap_servers, "unkeyed", fleet_messages[:60], keyed=False)
+        _wait(lambda: collector.kafka.stats.messages >= 60, 60, "the messages")
+    finally:
+        collector.shutdown()
+    assert collector.kafka.stats.unkeyed == 60
+    warnings = [r.getMessage() for r in caplog.records if "not keyed by their trace id" in r.getMessage()]
+    assert len(warnings) == 1 and "partition_traces_by_id: true" in warnings[0]
