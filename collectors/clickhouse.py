@@ -169,7 +169,7 @@ TABLES = (
     f"""CREATE TABLE IF NOT EXISTS collector_runs (collector_run_id String, started_at {_TS}, kvtrace_version String,
         config String) ENGINE = MergeTree ORDER BY started_at""",
     f"""CREATE TABLE IF NOT EXISTS collector_health (collector_run_id String, recorded_at {_TS},
-        {", ".join(f"{c} {'Float64' if c == 'lag_ms' else 'Int64'}" for c in schema.HEALTH_COLUMNS)})
+        {", ".join(f"{c} {'Float64' if c.endswith(('_ms', '_s')) else 'Int64'}" for c in schema.HEALTH_COLUMNS)})
     ENGINE = MergeTree ORDER BY recorded_at""",
     f"""CREATE TABLE IF NOT EXISTS commits (writer String, collector_run_id String, flush_id UInt64,
         committed_at {_TS}, wal_segment Nullable(Int32), wal_offset Nullable(Int64))

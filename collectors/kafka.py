@@ -99,6 +99,14 @@ class KafkaReceiver:
             if found is not None:
                 self._awaiting.append((self._store_version(), trace_id, *found))
 
+    def health(self) -> dict[str, float]:
+        """The consumer's state for the collector's health rows (:data:`.schema.KAFKA_HEALTH_COLUMNS`)."""
+        s = self.stats
+        return {"kafka_partitions": len(s.partitions), "kafka_lag": s.lag, "kafka_pending_traces": self.pending_traces(),
+                "kafka_rebalances": s.rebalances, "kafka_commits": s.commits,
+                "kafka_commit_age_s": time.time() - s.last_commit_at if s.last_commit_at else 0.0,
+                "kafka_unkeyed": s.unkeyed, "kafka_undecodable": s.undecodable}
+
     def pending_traces(self) -> int:
         with self._lock:
             return len(self._first_offset) + len(self._awaiting)

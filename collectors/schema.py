@@ -49,7 +49,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 8
+SCHEMA_VERSION: Final = 9
 """Bump when a table, view or rollup changes: a file with another version is refused, unless
 :data:`MIGRATIONS` brings it up to this one."""
 
@@ -59,6 +59,11 @@ MIGRATIONS: Final[dict[int, str]] = {
        "UPDATE schema_version SET version = 7",
     # 7 -> 8: each request's explanation (.explain); requests decided before it have none
     7: "ALTER TABLE requests ADD COLUMN explanation VARCHAR DEFAULT ''; UPDATE schema_version SET version = 8",
+    # 8 -> 9: a fleet collector's Kafka consumer in its health rows (0 for a collector without --kafka)
+    8: "; ".join(f"ALTER TABLE collector_health ADD COLUMN {c} {'DOUBLE' if c.endswith('_s') else 'BIGINT'} DEFAULT 0"
+                 for c in ("kafka_partitions", "kafka_lag", "kafka_pending_traces", "kafka_rebalances",
+                           "kafka_commits", "kafka_commit_age_s", "kafka_unkeyed", "kafka_undecodable"))
+       + "; UPDATE schema_version SET version = 9",
 }
 """From a schema version to the next, in one transaction: what the collector runs on opening an older file."""
 
@@ -146,7 +151,9 @@ CREATE TABLE IF NOT EXISTS collector_health (
     collector_run_id VARCHAR, recorded_at TIMESTAMPTZ, spans_received BIGINT, requests_rejected BIGINT,
     traces_decided BIGINT, traces_incomplete BIGINT, traces_late BIGINT, traces_evicted BIGINT,
     duplicate_spans BIGINT, forwarded_spans BIGINT, forward_failures BIGINT, forward_dropped BIGINT,
-    pending_traces BIGINT, queued_requests BIGINT, lag_ms DOUBLE
+    pending_traces BIGINT, queued_requests BIGINT, lag_ms DOUBLE, kafka_partitions BIGINT, kafka_lag BIGINT,
+    kafka_pending_traces BIGINT, kafka_rebalances BIGINT, kafka_commits BIGINT, kafka_commit_age_s DOUBLE,
+    kafka_unkeyed BIGINT, kafka_undecodable BIGINT
 );
 CREATE TABLE IF NOT EXISTS store_state (
     id INTEGER PRIMARY KEY, wal_segment INTEGER, wal_offset BIGINT, flush_id BIGINT, committed_at TIMESTAMPTZ,
@@ -154,9 +161,15 @@ CREATE TABLE IF NOT EXISTS store_state (
 );
 """
 
+KAFKA_HEALTH_COLUMNS: Final = ("kafka_partitions", "kafka_lag", "kafka_pending_traces", "kafka_rebalances",
+                               "kafka_commits", "kafka_commit_age_s", "kafka_unkeyed", "kafka_undecodable")
+"""A fleet collector's consumer (:mod:`.kafka`): partitions owned, messages behind, traces read and not yet
+durable, rebalances and commits so far, seconds since its last commit, messages not keyed by trace id, and
+undecodable ones."""
 HEALTH_COLUMNS: Final = ("spans_received", "requests_rejected", "traces_decided", "traces_incomplete",
                          "traces_late", "traces_evicted", "duplicate_spans", "forwarded_spans",
-                         "forward_failures", "forward_dropped", "pending_traces", "queued_requests", "lag_ms")
+                         "forward_failures", "forward_dropped", "pending_traces", "queued_requests", "lag_ms",
+                         *KAFKA_HEALTH_COLUMNS)
 """What the collector reports about itself in ``collector_health`` (besides run and time)."""
 
 VIEWS: Final = """

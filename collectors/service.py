@@ -345,6 +345,7 @@ class Collector:
             "forward_dropped": sum(u.stats.dropped for u in self.upstreams),
             "pending_traces": self.assembler.pending(), "queued_requests": self.intake.queued(),
             "lag_ms": (time.time() - committed) * 1e3 if committed else 0.0,
+            **(self.kafka.health() if self.kafka is not None else {}),
         }
 
     def _release_log(self) -> None:

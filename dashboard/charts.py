@@ -492,6 +492,17 @@ def collector_counters(rows: Sequence[dict], columns: Sequence[str], title: str)
     return _figure(data, x=_axis("time (UTC)"), y=_axis(title, rangemode="tozero"))
 
 
+def per_collector(rows: Sequence[dict], column: str, title: str) -> go.Figure:
+    """One line per collector (``collector_run_id``) of one of its health counters over time."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(r["collector_run_id"], []).append(r)
+    data = [{"type": "scatter", "mode": "lines", "line": {"shape": "hv"}, "name": run,
+             "x": [r["recorded_at"] for r in runs_rows], "y": [r[column] for r in runs_rows]}
+            for run, runs_rows in runs.items()]
+    return _figure(data, x=_axis("time (UTC)"), y=_axis(title, rangemode="tozero"))
+
+
 def short_instance(instance: str) -> str:
     """An instance id as a label: host:pid:random -> host:pid."""
     parts = instance.split(":")

@@ -43,3 +43,21 @@ if collector:
     st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "
                f"traces decided ({ui.count(last['traces_incomplete'])} incomplete, {ui.count(last['traces_late'])} "
                f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans.")
+
+fleet = [r for r in collector if r.get("kafka_commits") or r.get("kafka_partitions")]
+if fleet:  # collectors reading Kafka in a consumer group (kvtrace collector --kafka)
+    latest = {r["collector_run_id"]: r for r in fleet}  # rows come in time order: each collector's newest
+    st.subheader("Fleet: the collectors reading Kafka")
+    st.dataframe([{"collector": run, "partitions owned": r["kafka_partitions"], "consumer lag (messages)": r["kafka_lag"],
+                   "traces pending": r["kafka_pending_traces"], "last commit (s ago)": round(r["kafka_commit_age_s"], 1),
+                   "rebalances": r["kafka_rebalances"], "messages not keyed by trace id": r["kafka_unkeyed"],
+                   "as of": r["recorded_at"]} for run, r in latest.items()], hide_index=True, key="fleet")
+    if any(r["kafka_unkeyed"] for r in latest.values()):
+        st.warning("Some messages were not keyed by their trace id, so a trace's spans may be split across "
+                   "collectors: set `partition_traces_by_id: true` on the OpenTelemetry Collector's kafka exporter.",
+                   icon=":material/call_split:")
+    ui.side_by_side(
+        ("Consumer lag per collector", charts.per_collector(fleet, "kafka_lag", "messages behind"), "kafka-lag",
+         "Messages on each collector's partitions not yet read, at its last commit."),
+        ("Rebalances per collector", charts.per_collector(fleet, "kafka_rebalances", "rebalances since start"),
+         "rebalances", "Each step is a partition assignment or revocation (a collector joined, left or died)."))

@@ -266,3 +266,29 @@ def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_p
     assert any("log-bucketed histograms (±4 %: over 3 requests)" in c.value for c in at.caption)
     estimate = open_store(db).kpis(Filters())["ttft_p50_ms"]
     assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±4 % supports
+
+
+def test_health_shows_each_fleet_collector_and_warns_of_unkeyed_messages(monkeypatch, tmp_path):
+    """Two collectors of a consumer group recorded their Kafka consumer: one row each with its partitions,
+    lag and last commit, a lag and a rebalance line each, and the unkeyed-message warning."""
+    from datetime import datetime, timedelta, timezone
+
+    from kvtrace.collectors import schema
+
+    db = store_of(tmp_path / "fleet.duckdb", [build("push")])
+    now = datetime.now(timezone.utc)
+    con = duckdb.connect(db)
+    for i, (run, partitions, lag, unkeyed) in enumerate((("c-a", 3, 120, 0), ("c-b", 3, 7, 5), ("c-a", 3, 40, 0))):
+        values = {c: 0 for c in schema.HEALTH_COLUMNS} | {
+            "kafka_partitions": partitions, "kafka_lag": lag, "kafka_commits": 4 + i, "kafka_rebalances": 2,
+            "kafka_commit_age_s": 0.4, "kafka_unkeyed": unkeyed, "kafka_pending_traces": 11}
+        con.execute(f"INSERT INTO collector_health (collector_run_id, recorded_at, {', '.join(values)}) VALUES "
+                    f"(?, ?, {', '.join('?' * len(values))})", [run, now + timedelta(seconds=i), *values.values()])
+    con.close()
+    at = _app(monkeypatch, db, "health")
+    table = next(d.value for d in at.dataframe if "partitions owned" in d.value.columns).to_dict("records")
+    assert [(r["collector"], r["partitions owned"], r["consumer lag (messages)"]) for r in table] == \
+           [("c-a", 3, 40), ("c-b", 3, 7)]
+    lag = next(f for f in _figures(at) if f["layout"]["yaxis"].get("title", {}).get("text") == "messages behind")
+    assert {t["name"]: t["y"] for t in lag["data"]} == {"c-a": [120, 40], "c-b": [7]}
+    assert any("partition_traces_by_id: true" in w.value for w in at.warning)
