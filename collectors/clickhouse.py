@@ -260,7 +260,12 @@ class ClickHouseStore:
     def __init__(self, url: str, *, wal_dir: str, flush_interval_s: float = 0.5, flush_rows: int = 65_536) -> None:
         self.address = ClickHouseAddress.parse(url)
         self.path = str(self.address)
-        create_schema(self.address)
+        try:
+            create_schema(self.address)
+        except SchemaMismatch:
+            raise
+        except Exception as exc:  # the driver's own errors: say which store, in one line
+            raise ConnectionError(f"--store {self.address}: {str(exc).strip().splitlines()[0][:300]}") from None
         self._client = self.address.client()
         self._read_client = self.address.client(**READ_SETTINGS)
         # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.

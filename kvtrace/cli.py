@@ -59,9 +59,13 @@ def _cmd_collector(args: argparse.Namespace) -> int:
         print(f"kvtrace collector: {exc}", file=sys.stderr)
         collector.shutdown()
         return 2
-    ports = ", ".join(f"{type(r).__name__} :{r.port}" for r in collector.receivers)
+    ports = ", ".join(f"{type(r).__name__} :{r.port}" for r in collector.receivers if hasattr(r, "port"))
     log = logging.getLogger("kvtrace.collector")
-    log.info("listening on %s (%s); store %s", config.host, ports, config.db_path)
+    if ports:
+        log.info("listening on %s (%s); store %s", config.host, ports, config.db_path)
+    if collector.kafka is not None:
+        log.info("reading Kafka topic %s at %s as a member of group %s; store %s", config.kafka_topic,
+                 config.kafka_brokers, config.kafka_group, config.db_path)
     if collector.query_service is not None:
         log.info("query endpoint %s (kvtrace dashboard --db %s finds it)", collector.query_service.url, config.db_path)
     stop.wait()

@@ -1,13 +1,16 @@
 """Fleet mode: collectors in one Kafka consumer group (librdkafka's mock cluster, real Kafka protocol) write
 one shared ClickHouse store; what they decide is what one embedded collector decides from the same spans."""
 
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from kvtrace.collectors.config import CollectorConfig
 from kvtrace.collectors.model import SpanBatch
-from kvtrace.collectors.read import open_store
+from kvtrace.collectors.read import StoreUnavailable, open_store
 from kvtrace.collectors.service import Collector
 from kvtrace.testbed.fleet import FleetGenerator, FleetShape, publish
 from kvtrace.testbed.peers import KafkaMockCluster
@@ -21,7 +24,7 @@ COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms
 
 @pytest.fixture(scope="module")
 def kafka():
-    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2}) as cluster:
+    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS}) as cluster:
         yield cluster
 
 
@@ -112,3 +115,49 @@ def test_messages_not_keyed_by_trace_id_are_counted_and_warned_about(kafka, flee
     assert collector.kafka.stats.unkeyed == 60
     warnings = [r.getMessage() for r in caplog.records if "not keyed by their trace id" in r.getMessage()]
     assert len(warnings) == 1 and "partition_traces_by_id: true" in warnings[0]
+
+
+def _collector_process(url: str, kafka, wal_dir, group: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "collector", "--store", url, "--kafka", kafka.bootstrap_servers,
+         "--topic", "crash", "--group", group, "--grpc-port", "-1", "--http-port", "-1", "--decision-wait", "0.5",
+         "--wal-dir", str(wal_dir)], stdout=subprocess.DEVNULL, stderr=open(f"{wal_dir}.log", "ab"))
+
+
+def test_a_collector_killed_mid_run_loses_no_acknowledged_span_and_stores_each_trace_once(
+        kafka, fleet_messages, clickhouse_server, tmp_path):
+    url = clickhouse_server.store_url("crash")
+    processes = [_collector_process(url, kafka, tmp_path / f"c{i}", "crash") for i in range(3)]
+    reader = open_store(url)
+    half = len(fleet_messages) // 2
+    try:
+        assert publish(kafka.bootstrap_servers, "crash", fleet_messages[:half]) == half
+        _wait(lambda: _stored(reader) > 500, 120, "the collectors to store traces")
+        processes[0].send_signal(signal.SIGKILL)  # mid-run: traces pending, offsets uncommitted
+        processes[0].wait(10)
+        killed_at = time.monotonic()
+        assert publish(kafka.bootstrap_servers, "crash", fleet_messages[half:]) == len(fleet_messages) - half
+        processes[0] = _collector_process(url, kafka, tmp_path / "c0", "crash")  # restarted
+        recovery = _wait(lambda: _stored(reader) >= TRACES, 180, "every trace after the restart")
+        print(f"\nkill -9 to every trace stored: {time.monotonic() - killed_at:.1f} s (restart to done {recovery:.1f} s)")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            process.wait(30)
+    published = {value for _, value in fleet_messages}
+    spans = sum(len(SpanBatch.decode(value).rows) for value in published)
+    stored = reader.sql("SELECT count() AS n, count(DISTINCT span_id) AS ids FROM spans").to_pylist()[0]
+    assert stored == {"n": spans, "ids": spans}  # every acknowledged span, once
+    requests = reader.sql("SELECT count() AS n, count(DISTINCT trace_id) AS traces FROM requests").to_pylist()[0]
+    assert requests == {"n": TRACES, "traces": TRACES}
+    versions = reader.sql("SELECT count() AS n FROM request_versions").to_pylist()[0]["n"]
+    assert versions >= TRACES  # a trace read twice: its second decision is a superseded version, not a second row
+
+
+def _stored(reader) -> int:
+    try:
+        return reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"]
+    except StoreUnavailable:  # the collectors have not made the database yet
+        return 0
