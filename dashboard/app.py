@@ -45,6 +45,6 @@ options = ui.store_options()
 st.session_state["store_options"] = options
 st.session_state["filters"] = ui.sidebar_filters(options)
 source = data.reader().source
-st.sidebar.caption(f"{options['requests']:,} requests · reading "
-                   f"{'a running collector' if source.kind == 'collector' else 'the store file'}")
+READING = {"collector": "a running collector", "file": "the store file", "clickhouse": "the shared ClickHouse store"}
+st.sidebar.caption(f"{options['requests']:,} requests · reading {READING.get(source.kind, source.kind)}")
 page.run()

@@ -31,3 +31,12 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             f"kvtrace: {len(_SKIPPED)} test(s) skipped, which the suite does not allow: {_SKIPPED[:5]}", red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def clickhouse_server(tmp_path_factory):
+    """One real ClickHouse server (chdb-core) on 127.0.0.1 for the session; each test uses its own database."""
+    from kvtrace.testbed.peers import ClickHouseServer
+
+    with ClickHouseServer(str(tmp_path_factory.mktemp("clickhouse"))) as server:
+        yield server

@@ -21,11 +21,3 @@ def make_collector(tmp_path):
     for collector in made:
         collector.shutdown()
 
-
-@pytest.fixture(scope="session")
-def clickhouse_server(tmp_path_factory):
-    """One real ClickHouse server (chdb-core) on 127.0.0.1 for the session; each test uses its own database."""
-    from kvtrace.testbed.peers import ClickHouseServer
-
-    with ClickHouseServer(str(tmp_path_factory.mktemp("clickhouse"))) as server:
-        yield server

@@ -59,24 +59,29 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(10)
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    """A collector process being fed synthetic traffic and a dashboard process reading its store."""
+@pytest.fixture(scope="module", params=["duckdb", "clickhouse"])
+def live(request, tmp_path_factory):
+    """A collector process being fed synthetic traffic and a dashboard process reading its store: the
+    embedded DuckDB file, and a fleet's shared ClickHouse database."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium package")
     tmp = tmp_path_factory.mktemp("live")
-    db, http_port, ui_port = str(tmp / "live.duckdb"), free_port(), free_port()
+    http_port, ui_port = free_port(), free_port()
+    shared = request.param == "clickhouse"
+    db = request.getfixturevalue("clickhouse_server").store_url("live") if shared else str(tmp / "live.duckdb")
     logs = [open(tmp / "collector.log", "wb"), open(tmp / "dashboard.log", "wb")]
     collector = subprocess.Popen(
         [sys.executable, "-m", "kvtrace", "collector", "--db", db, "--grpc-port", "-1", "--http-port", str(http_port),
-         "--decision-wait", "0.3"], stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+         "--decision-wait", "0.3", "--wal-dir", str(tmp / "wal")], stdout=logs[0], stderr=subprocess.STDOUT,
+        start_new_session=True)
     dashboard = subprocess.Popen(
         [sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(ui_port), "--refresh",
          str(REFRESH_S), "--apm-url", "http://127.0.0.1:16686/trace/{trace_id}"],
         stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
     otlp = f"http://127.0.0.1:{http_port}/v1/traces"
     try:
-        assert wait_until(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 30), (tmp / "collector.log").read_text()
+        ready = (lambda: _listening(http_port)) if shared else (lambda: Path(f"{db}.kvtrace-collector.json").exists())
+        assert wait_until(ready, 30), (tmp / "collector.log").read_text()
         start = time.time_ns() - 20 * 60 * 10**9  # twenty minutes of traffic, both modes, a few failures
         for payload in Generator(Workload(rate_per_s=2, run_every_s=300, failure_rate=0.02,
                                           incomplete_rate=0.02)).requests(2_000, start):
@@ -94,6 +99,16 @@ def live(tmp_path_factory):
         _stop(collector)
         for log in logs:
             log.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def _healthy(ui: str) -> bool:
@@ -142,9 +157,12 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     assert page.locator(".main-svg").count() >= 1
     missing = PAGES[path] - _legend(page)
     assert not missing, f"/{path}: legend lacks {missing}; has {_legend(page)}"
+    store = "the shared ClickHouse store" if "clickhouse://" in live["db"] else "a running collector"
+    assert page.get_by_text(f"reading {store}").count() == 1
     assert not page.outside, page.outside
     SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{path or 'overview'}.png"), full_page=True)
+    suffix = "" if "clickhouse://" not in live["db"] else "-clickhouse"
+    page.screenshot(path=str(SHOTS / f"{path or 'overview'}{suffix}.png"), full_page=True)
     print(f"\n/{path}: first chart after {first_chart_s:.2f} s")
     page.set_viewport_size({"width": 1280, "height": 900})  # a laptop's browser window
     page.wait_for_timeout(1_000)
