@@ -37,7 +37,6 @@ import socket
 import threading
 import time
 import urllib.parse
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,7 +52,7 @@ from kvtrace.telemetry import semconv
 from . import schema
 from .breakdown import Breakdown, category_of
 from .model import Origin, SpanBatch, SpanRow
-from .store import record_tables, request_table
+from .store import BufferedStore, Pending, record_tables, request_table
 
 logger = logging.getLogger(__name__)
 
@@ -253,13 +252,13 @@ def create_schema(address: ClickHouseAddress) -> None:
 # ---------------------------------------------------------------------------------------------- writer
 
 
-class ClickHouseStore:
-    """The collector's writer into a shared ClickHouse store: the embedded :class:`.store.Store`'s interface
-    (buffered adds, a writer thread that flushes every ``flush_interval_s`` or ``flush_rows`` spans)."""
+class ClickHouseStore(BufferedStore):
+    """The collector's writer into a shared ClickHouse store: the embedded store's buffers and writer
+    thread (:class:`.store.BufferedStore`), each flush a few inserts."""
 
     def __init__(self, url: str, *, wal_dir: str, flush_interval_s: float = 0.5, flush_rows: int = 65_536) -> None:
         self.address = ClickHouseAddress.parse(url)
-        self.path = str(self.address)
+        super().__init__(str(self.address), flush_interval_s=flush_interval_s, flush_rows=flush_rows)
         try:
             create_schema(self.address)
         except SchemaMismatch:
@@ -270,27 +269,11 @@ class ClickHouseStore:
         self._read_client = self.address.client(**READ_SETTINGS)
         # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.
         self.writer = f"{socket.gethostname()}:{Path(wal_dir).resolve()}"
-        self._lock = threading.Lock()
         self._db_lock = threading.Lock()
-        self._batches: list[tuple[list[SpanRow], tuple | None]] = []
-        self._rows = 0
-        self._breakdowns: dict[str, tuple[Breakdown, bool, int]] = {}
-        self._health: list[tuple] = []
-        self._clock_samples: list[tuple] = []
-        self._runs: dict[str, tuple] = {}
-        self._position: tuple[int, int] | None = None
         self._stage_ids: dict[tuple[str, str], int] = {}
         self._origin_ids: set[int] = set()
-        self.committed_position: tuple[int, int] | None = None
-        self.committed_at = 0.0
         self._flush_ids = itertools.count(self._last_flush_id() + 1)
         self.data_version = 0
-        self._flush_interval = flush_interval_s
-        self._flush_rows = flush_rows
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.collector_run_id = uuid.uuid4().hex[:12]
 
     def _last_flush_id(self) -> int:
         rows = self._client.query("SELECT max(flush_id) FROM commits WHERE writer = {w:String}",
@@ -303,18 +286,9 @@ class ClickHouseStore:
         self._client.insert("collector_runs", [[self.collector_run_id, datetime.now(timezone.utc), version,
                                                 json.dumps(config, default=str)]],
                             column_names=["collector_run_id", "started_at", "kvtrace_version", "config"])
-        self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
-        self._thread.start()
+        self._start_writer()
 
-    def shutdown(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.flush()
+    def _close(self) -> None:
         self._client.close()
         self._read_client.close()
 
@@ -322,46 +296,12 @@ class ClickHouseStore:
         rows = self._client.query("SELECT wal_segment, wal_offset FROM commits WHERE writer = {w:String} AND "
                                   "wal_segment IS NOT NULL ORDER BY flush_id DESC LIMIT 1",
                                   parameters={"w": self.writer}).result_rows
-        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._flush_interval)
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # the buffers went back: the next flush tries again
-                logger.exception("kvtrace store: a flush into %s failed; retrying", self.path)
-                time.sleep(1.0)
+        return (int(row[0]), int(row[1])) if (row := rows[0] if rows else None) else (0, 0)
 
     # ------------------------------------------------------------------ writes
 
-    def add_spans(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
-        with self._lock:
-            self._batches.append((batch.rows, position))
-            self._rows += len(batch.rows)
-            if position is not None:
-                self._position = position
-            full = self._rows >= self._flush_rows
-        if full:
-            self._wake.set()
-
-    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
-        with self._lock:
-            self._breakdowns[breakdown.trace_id] = (breakdown, replaces, time.time_ns())
-
-    def add_run(self, run_id: str, config: str, at_ns: int) -> None:
-        with self._lock:
-            self._runs[run_id] = (run_id, datetime.fromtimestamp(at_ns / 1e9, timezone.utc), config)
-
-    def add_clock_sample(self, sample: Any) -> None:
-        with self._lock:
-            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
-
-    def add_health(self, counters: dict[str, float]) -> None:
-        row = (self.collector_run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
-        with self._lock:
-            self._health.append(row)
+    def _entry(self, batch: SpanBatch, position: tuple[int, int] | None) -> list[SpanRow]:
+        return batch.rows  # the otel_traces rows are built from them at the flush, on the writer thread
 
     def compact(self, until: datetime | None = None) -> None:
         """Nothing to do: the rollups are views, and ClickHouse merges parts itself."""
@@ -369,36 +309,20 @@ class ClickHouseStore:
     def flush(self) -> None:
         """Write everything buffered: spans, then requests and the rest, then this flush's commit row.
         A failed write puts the buffers back (rows already written collapse when they are written again)."""
-        with self._lock:
-            batches, self._batches, self._rows = self._batches, [], 0
-            decided, self._breakdowns = self._breakdowns, {}
-            health, self._health = self._health, []
-            samples, self._clock_samples = self._clock_samples, []
-            runs, self._runs = self._runs, {}
-            position = self._position
-        if not batches and not decided and not health and not samples and not runs and position is None:
+        pending = self.take()
+        if pending.empty():
             return
-        with self._db_lock:
+        with self._db_lock, self.putting_back(pending):
             flush_id = next(self._flush_ids)
-            try:
-                self._write(batches, list(decided.values()), health, samples, list(runs.values()), position, flush_id)
-            except Exception:
-                with self._lock:
-                    self._batches[:0] = batches
-                    self._rows += sum(len(rows) for rows, _ in batches)
-                    self._breakdowns = {**decided, **self._breakdowns}
-                    self._health[:0] = health
-                    self._clock_samples[:0] = samples
-                    self._runs = {**runs, **self._runs}
-                raise
+            self._write(pending, flush_id)
             self.data_version = flush_id
             self.committed_at = time.time()
-        if position is not None:
-            self.committed_position = position
+        if pending.position is not None:
+            self.committed_position = pending.position
 
-    def _write(self, batches, decided, health, samples, runs, position, flush_id) -> None:
-        client = self._client
-        spans = [row for rows, _ in batches for row in rows]
+    def _write(self, pending: Pending, flush_id: int) -> None:
+        client, decided, position = self._client, pending.decided, pending.position
+        spans = [row for rows in pending.batches for row in rows]
         if spans:
             self._insert_origins({id(row.origin): row.origin for row in spans}.values())
             client.insert_arrow("otel_traces", _otel_table(spans))
@@ -419,7 +343,7 @@ class ClickHouseStore:
                     "category": [category_of(s) for _, s in new_stages]}))
             client.insert_arrow("request_versions", table)
             self._stage_ids.update(new_stages)
-        records = record_tables(samples, runs, health)
+        records = record_tables(pending.samples, pending.runs, pending.health)
         for name, table in records.items():
             client.insert_arrow("run_versions" if name == "runs" else name, table)
         client.insert("commits", [[self.writer, self.collector_run_id, flush_id, datetime.now(timezone.utc),

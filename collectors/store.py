@@ -13,6 +13,8 @@ A file written by a kvtrace whose tables differ is refused at start with a clear
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -50,9 +52,160 @@ class SchemaMismatch(ValueError):
     """The DuckDB file was written by a kvtrace with different tables."""
 
 
-class Store:
-    def __init__(self, path: str, *, flush_interval_s: float = 0.5, flush_rows: int = 65_536) -> None:
+@dataclasses.dataclass
+class Pending:
+    """What a store holds for its next flush (:meth:`BufferedStore.take`)."""
+
+    batches: list  # one entry per export request, in the store's own form (:meth:`BufferedStore._entry`)
+    decided: list[tuple[Breakdown, bool, int]]  # (breakdown, replaces, decided at ns)
+    health: list[tuple]
+    samples: list[tuple]
+    runs: list[tuple]
+    position: tuple[int, int] | None  # where the write-ahead log is once this flush commits
+
+    def empty(self) -> bool:
+        return not (self.batches or self.decided or self.health or self.samples or self.runs) and self.position is None
+
+
+class BufferedStore:
+    """What both stores share (the embedded :class:`Store`, the fleet's ``ClickHouseStore``): the pipeline
+    adds rows to buffers, and one writer thread flushes them every ``flush_interval_s``, or sooner once
+    ``flush_rows`` spans wait. A subclass writes a flush (:meth:`flush`) and says what it keeps of a request."""
+
+    def __init__(self, path: str, *, flush_interval_s: float, flush_rows: int) -> None:
         self.path = path
+        self._lock = threading.Lock()  # guards the buffers
+        self._batches: list = []
+        self._rows = 0
+        self._breakdowns: dict[str, tuple[Breakdown, bool, int]] = {}  # trace id -> (breakdown, replaces, at)
+        self._health: list[tuple] = []
+        self._clock_samples: list[tuple] = []
+        self._runs: dict[str, tuple] = {}
+        self._position: tuple[int, int] | None = None
+        self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
+        self.committed_at = 0.0  # wall time of this process's last commit
+        self._flush_interval = flush_interval_s
+        self._flush_rows = flush_rows
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.collector_run_id = uuid.uuid4().hex[:12]
+        """This collector start's id (``collector_runs``)."""
+
+    def _entry(self, batch: SpanBatch, position: tuple[int, int] | None) -> Any:
+        """What the store keeps of one export request until its flush (called under the buffers' lock)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """After the last flush."""
+
+    def _between_flushes(self) -> None:
+        """The writer thread's other work, after each flush."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_writer(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._flush_interval)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # the rows went back to the buffers (putting_back): the next flush retries
+                logger.exception("kvtrace store: a flush into %s failed; retrying", self.path)
+                time.sleep(1.0)
+            self._between_flushes()
+
+    def shutdown(self) -> None:
+        """Flush and close; safe to call twice."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.flush()
+        self._close()
+
+    # ------------------------------------------------------------------ writes
+
+    def add_spans(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
+        """One export request; ``position``: where the write-ahead log is once it is stored."""
+        with self._lock:
+            self._batches.append(self._entry(batch, position))
+            self._rows += len(batch.rows)
+            if position is not None:
+                self._position = position
+            full = self._rows >= self._flush_rows
+        if full:
+            self._wake.set()
+
+    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
+        """The trace's breakdown. ``replaces``: the trace was decided again (late spans, a
+        restart) and this row replaces the stored one; otherwise a stored row is kept (a
+        span so late that the assembler forgot its trace must not overwrite the whole trace)."""
+        with self._lock:
+            earlier = self._breakdowns.get(breakdown.trace_id)
+            self._breakdowns[breakdown.trace_id] = (breakdown, replaces or (earlier is not None and earlier[1]),
+                                                    time.time_ns())
+
+    def add_run(self, run_id: str, config: str, at_ns: int) -> None:
+        """A run record (``kvtrace.run``): its configuration and results as JSON, written with the
+        next commit; a run recorded again replaces its row."""
+        with self._lock:
+            self._runs[run_id] = (run_id, datetime.fromtimestamp(at_ns / 1e9, timezone.utc), config)
+
+    def add_clock_sample(self, sample: Any) -> None:
+        """One measured offset of a sender (:class:`.clocks.Sample`), written with the next commit."""
+        with self._lock:
+            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
+
+    def add_health(self, counters: dict[str, float]) -> None:
+        """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
+        row = (self.collector_run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
+        with self._lock:
+            self._health.append(row)
+
+    def take(self) -> Pending:
+        """Everything buffered, for one flush (the buffers start again empty)."""
+        with self._lock:
+            pending = Pending(self._batches, list(self._breakdowns.values()), self._health, self._clock_samples,
+                              list(self._runs.values()), self._position)
+            self._batches, self._rows, self._breakdowns = [], 0, {}
+            self._health, self._clock_samples, self._runs = [], [], {}
+        return pending
+
+    @contextlib.contextmanager
+    def putting_back(self, pending: Pending):
+        """Around a flush's writes: if they fail, its rows go back before what came since (the next
+        flush writes them) and the error goes on."""
+        try:
+            yield
+        except Exception:
+            self._put_back(pending)
+            raise
+
+    def _put_back(self, pending: Pending) -> None:
+        with self._lock:  # (the span count, which only hastens a flush, is left as it is)
+            self._batches[:0] = pending.batches
+            self._breakdowns = {**{b.trace_id: (b, r, at) for b, r, at in pending.decided}, **self._breakdowns}
+            self._health[:0] = pending.health
+            self._clock_samples[:0] = pending.samples
+            self._runs = {**{run[0]: run for run in pending.runs}, **self._runs}
+
+
+class Store(BufferedStore):
+    """The embedded store: one DuckDB file, each flush one transaction."""
+
+    def __init__(self, path: str, *, flush_interval_s: float = 0.5, flush_rows: int = 65_536) -> None:
+        super().__init__(path, flush_interval_s=flush_interval_s, flush_rows=flush_rows)
         # One writer thread appends large batches: DuckDB's own thread pool only adds
         # hand-offs (it measured 2.6x slower inserts on a collector pinned to one core).
         # No file access from SQL: readers of a running collector send queries here
@@ -63,12 +216,7 @@ class Store:
         except Exception:
             self._con.close()
             raise
-        self._lock = threading.Lock()  # guards the buffers; the connection is used by one thread
-        self._db_lock = threading.Lock()
-        # (batch id, its columns, bytes of its original, log position): only what the tables
-        # need, so a batch's rows and original are freed once the assembler is done with them
-        self._batches: list[tuple[int, SpanColumns, int, tuple | None]] = []
-        self._rows = 0
+        self._db_lock = threading.Lock()  # the connection is used by one thread at a time
         # Batch ids count on from the file's last; each sender (service, instance, role, mode,
         # run) is a row of ``origins``, its id given on first sight and kept across runs.
         self._batch_ids = itertools.count(self._con.execute("SELECT coalesce(max(batch_id), 0) + 1 FROM batches")
@@ -78,23 +226,10 @@ class Store:
         # Each (side, stage) is a small id in ``stage_keys``, given on first sight, like a sender.
         self._stage_ids: dict[tuple[str, str], int] = {
             (side, stage): key for key, side, stage, _ in self._con.execute("SELECT * FROM stage_keys").fetchall()}
-        self._breakdowns: dict[str, tuple[Breakdown, bool]] = {}  # trace id -> (breakdown, replaces)
-        self._health: list[tuple] = []
-        self._clock_samples: list[tuple] = []
-        self._runs: dict[str, tuple] = {}
-        self._position: tuple[int, int] | None = None
-        self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
-        self.committed_at = 0.0  # wall time of this process's last commit
         state = self._con.execute("SELECT flush_id FROM store_state WHERE id = 0").fetchone()
         self.data_version = int(state[0]) if state else 0
         """Commits so far, in this file's life: a reader re-reads when it changes."""
-        self._flush_interval = flush_interval_s
-        self._flush_rows = flush_rows
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.collector_run_id = uuid.uuid4().hex[:12]
-        """This collector start's id (``collector_runs``)."""
+        self._next_compaction = time.monotonic() + COMPACT_EVERY_S
 
     def _create_schema(self) -> None:
         """Create the tables in a new file; refuse, before writing anything, a file from another schema."""
@@ -124,19 +259,9 @@ class Store:
         with self._db_lock:
             self._con.execute("INSERT INTO collector_runs VALUES (?, ?, ?, ?)",
                               [self.collector_run_id, datetime.now(timezone.utc), version, json.dumps(config, default=str)])
-        self._thread = threading.Thread(target=self._run, name="kvtrace-store", daemon=True)
-        self._thread.start()
+        self._start_writer()
 
-    def shutdown(self) -> None:
-        """Flush and close; safe to call twice."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.flush()
+    def _close(self) -> None:
         with self._db_lock:
             self._con.close()
 
@@ -147,55 +272,18 @@ class Store:
 
     # ------------------------------------------------------------------ writes
 
-    def add_spans(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
-        """One export request; ``position``: where the write-ahead log is once it is stored."""
-        with self._lock:
-            batch_id = next(self._batch_ids)
-            self._batches.append((batch_id, batch.columns, len(batch.payload), position))
-            self._rows += len(batch.columns)
-            if position is not None:
-                self._position = position
-            full = self._rows >= self._flush_rows
-        if full:
-            self._wake.set()
+    def _entry(self, batch: SpanBatch, position: tuple[int, int] | None) -> tuple[int, SpanColumns, int, tuple | None]:
+        # (batch id, its columns, bytes of its original, log position): only what the tables need,
+        # so a batch's rows and original are freed once the assembler is done with them
+        return next(self._batch_ids), batch.columns, len(batch.payload), position
 
-    def add_breakdown(self, breakdown: Breakdown, replaces: bool = False) -> None:
-        """The trace's breakdown. ``replaces``: the trace was decided again (late spans, a
-        restart) and this row replaces the stored one; otherwise a stored row is kept (a
-        span so late that the assembler forgot its trace must not overwrite the whole trace)."""
-        with self._lock:
-            earlier = self._breakdowns.get(breakdown.trace_id)
-            self._breakdowns[breakdown.trace_id] = (breakdown, replaces or (earlier is not None and earlier[1]))
-
-    def add_run(self, run_id: str, config: str, at_ns: int) -> None:
-        """A run record (``kvtrace.run``): its configuration and results as JSON, written with the
-        next commit; a run recorded again replaces its row."""
-        with self._lock:
-            self._runs[run_id] = (run_id, datetime.fromtimestamp(at_ns / 1e9, timezone.utc), config)
-
-    def add_clock_sample(self, sample: Any) -> None:
-        """One measured offset of a sender (:class:`.clocks.Sample`), written with the next commit."""
-        with self._lock:
-            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
-
-    def add_health(self, counters: dict[str, float]) -> None:
-        """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
-        row = (self.collector_run_id, datetime.now(timezone.utc), *(counters.get(c, 0) for c in schema.HEALTH_COLUMNS))
-        with self._lock:
-            self._health.append(row)
-
-    def _run(self) -> None:
-        next_compaction = time.monotonic() + COMPACT_EVERY_S
-        while not self._stop.is_set():
-            self._wake.wait(self._flush_interval)
-            self._wake.clear()
-            self.flush()
-            if time.monotonic() >= next_compaction:
-                next_compaction = time.monotonic() + COMPACT_EVERY_S
-                try:
-                    self.compact()
-                except duckdb.Error:  # the rollups stay correct uncompacted: try again next time
-                    logger.exception("kvtrace store: rollup compaction failed")
+    def _between_flushes(self) -> None:
+        if time.monotonic() >= self._next_compaction:
+            self._next_compaction = time.monotonic() + COMPACT_EVERY_S
+            try:
+                self.compact()
+            except duckdb.Error:  # the rollups stay correct uncompacted: try again next time
+                logger.exception("kvtrace store: rollup compaction failed")
 
     def compact(self, until: datetime | None = None) -> None:
         """Merge the rollups' partial rows into one per key and minute, for the minutes since the last
@@ -223,16 +311,11 @@ class Store:
 
     def flush(self) -> None:
         """Commit everything buffered as one transaction (the writer thread calls this; so may a test)."""
-        with self._lock:
-            batches, self._batches, self._rows = self._batches, [], 0
-            decided, self._breakdowns = list(self._breakdowns.values()), {}
-            health, self._health = self._health, []
-            samples, self._clock_samples = self._clock_samples, []
-            runs, self._runs = list(self._runs.values()), {}
-            position = self._position
-        if not batches and not decided and not health and not samples and not runs and position is None:
+        pending = self.take()
+        if pending.empty():
             return
-        with self._db_lock:  # the origin and stage registries are the writer's too
+        batches, decided, position = pending.batches, [(b, replaces) for b, replaces, _ in pending.decided], pending.position
+        with self._db_lock, self.putting_back(pending):  # the origin and stage registries are the writer's too
             flush_id = self.data_version + 1
             new_origins: dict[tuple[str, ...], int] = {}
             new_stages: dict[tuple[str, str], int] = {}
@@ -241,7 +324,7 @@ class Store:
                 **({"requests": request_table([b for b, _ in decided], flush_id, self._stage_ids,
                                                lambda key: self._stage_id(key, new_stages))} if decided else {}),
                 **_registry_tables(new_origins, new_stages),
-                **record_tables(samples, runs, health),
+                **record_tables(pending.samples, pending.runs, pending.health),
             }
             replaced = [b.trace_id for b, replaces in decided if replaces]
             try:
