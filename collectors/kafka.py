@@ -179,7 +179,7 @@ class KafkaReceiver:
                 "kvtrace collector: Kafka topic %s holds messages not keyed by their trace id (key %r, %d traces in "
                 "one message): a trace's spans can land on several partitions and be split across collectors. "
                 "Set `partition_traces_by_id: true` on the OpenTelemetry Collector's kafka exporter "
-                "(encoding: otlp_proto). Counted in kvtrace_kafka_unkeyed_messages.", self.topic,
+                "(encoding: otlp_proto). Counted in the collector's health (kafka_unkeyed, the Health page).", self.topic,
                 key[:40] if key else key, len(traces))
 
     def _safe_offsets(self) -> dict[int, int]:

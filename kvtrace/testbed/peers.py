@@ -35,8 +35,9 @@ def rotel_binary() -> str:
 
 class Rotel:
     def __init__(self, export_to: str | None = None, *, protocol: str = "grpc",
-                 batch_timeout: str = "100ms") -> None:
-        """``export_to``: an OTLP endpoint URL; None exports to rotel's blackhole."""
+                 batch_timeout: str = "100ms", kafka: tuple[str, str] | None = None) -> None:
+        """``export_to``: an OTLP endpoint URL; None exports to rotel's blackhole, or with ``kafka``
+        (brokers, topic) to that Kafka topic (rotel's kafka exporter: protobuf, messages not keyed)."""
         self.grpc_port = free_port()
         self.http_port = free_port()
         self._dir = tempfile.mkdtemp(prefix="kvtrace-rotel-")
@@ -48,7 +49,10 @@ class Rotel:
             "--log-file", os.path.join(self._dir, "rotel.log"),
             "--batch-timeout", batch_timeout,
         ]
-        if export_to is None:
+        if kafka is not None:
+            self._command += ["--exporter", "kafka", "--kafka-exporter-brokers", kafka[0],
+                              "--kafka-exporter-traces-topic", kafka[1], "--kafka-exporter-format", "protobuf"]
+        elif export_to is None:
             self._command += ["--exporter", "blackhole"]
         else:
             self._command += ["--exporter", "otlp", "--otlp-exporter-endpoint", export_to,

@@ -15,6 +15,7 @@ from kvtrace.collectors.read import StoreUnavailable, open_store
 from kvtrace.collectors.service import Collector
 from kvtrace.testbed.fleet import FleetGenerator, FleetShape, publish
 from kvtrace.testbed.peers import KafkaMockCluster
+from tests.collectors.traces import build
 
 TOPIC, PARTITIONS = "otlp_spans", 6
 TRACES = 3_000
@@ -25,7 +26,7 @@ COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms
 
 @pytest.fixture(scope="module")
 def kafka():
-    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS}) as cluster:
+    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2}) as cluster:
         yield cluster
 
 
@@ -162,3 +163,34 @@ def _stored(reader) -> int:
         return reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"]
     except (StoreUnavailable, QueryRefused):  # the collectors have not made the database (or its tables) yet
         return 0
+
+
+def test_rotel_s_kafka_exporter_is_detected_as_unkeyed(kafka, clickhouse_server, tmp_path, caplog):
+    """Spans through rotel (a real OpenTelemetry collector) into Kafka with its kafka exporter: its messages
+    carry no key, and the kvtrace collector reading them says so once, naming what to set."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from kvtrace.testbed.peers import Rotel
+
+    builts = [build("push"), build("pull")]
+    collector = _fleet_collector(clickhouse_server.store_url("rotel"), kafka, tmp_path, "r", kafka_topic="rotel",
+                                 kafka_group="rotel")
+    try:
+        with Rotel(kafka=(kafka.bootstrap_servers, "rotel")) as rotel:
+            export = grpc.insecure_channel(f"127.0.0.1:{rotel.grpc_port}").unary_unary(
+                "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                request_serializer=trace_service_pb2.ExportTraceServiceRequest.SerializeToString,
+                response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString)
+            for built in builts:
+                for request in built.requests:
+                    export(request, timeout=10)
+            _wait(lambda: collector.kafka.stats.messages >= 1 and collector.assembler.stats.traces_decided >= 2, 60,
+                  "rotel's messages")
+    finally:
+        collector.shutdown()
+    assert collector.kafka.stats.unkeyed == collector.kafka.stats.messages >= 1
+    warnings = [r.getMessage() for r in caplog.records if "not keyed by their trace id" in r.getMessage()]
+    assert len(warnings) == 1 and "(key b''," in warnings[0]  # rotel sends an empty key
+    stored = open_store(clickhouse_server.store_url("rotel")).sql("SELECT trace_id FROM requests").to_pylist()
+    assert {r["trace_id"] for r in stored} == {b.trace_id for b in builts}  # one collector: nothing split
