@@ -145,7 +145,10 @@ def fleet_run(kafka: KafkaMockCluster, url: str, messages: list[tuple[bytes, byt
     decided = {r["trace_id"]: r["updated_at"].timestamp()
                for r in reader.sql("SELECT trace_id, updated_at FROM requests").to_pylist()}
     lags = sorted(decided[t] - sent for t, sent in last_sent.items() if t in decided)
-    return {"elapsed_s": elapsed, "cpu_s": cpu, "spans": spans, "lags": lags,
+    counts = reader.sql("SELECT collector_run_id, max(traces_decided) AS decided, max(traces_late) AS late "
+                        "FROM collector_health GROUP BY 1").to_pylist()
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "spans": spans, "lags": lags, "rows": _rows(reader),
+            "decisions": sum(r["decided"] for r in counts), "late": sum(r["late"] for r in counts),
             "per_cpu_s": [s / c if c else 0.0 for s, c in zip(spans, cpu)]}
 
 
@@ -173,7 +176,28 @@ def embedded_run(messages: list[tuple[bytes, bytes]], traces: int, decision_wait
     finally:
         _stop(process)
     spans = sum(len(SpanBatch.decode(v).rows) for v in values)
-    return {"elapsed_s": elapsed, "cpu_s": cpu, "spans": spans, "per_cpu_s": spans / cpu if cpu else 0.0}
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "spans": spans, "per_cpu_s": spans / cpu if cpu else 0.0,
+            "rows": _rows(open_store(db))}
+
+
+COMPARED = ("ttft_ms", "compute_ms", "queue_ms", "coordination_ms", "wire_ms", "unattributed_ms", "complete",
+            "missing", "error", "stage_start_ns", "stage_end_ns", "stage_critical_ns")
+
+
+def _rows(reader) -> dict[str, dict]:
+    """Each trace's breakdown as stored, and the clock offsets it was computed with."""
+    return {r["trace_id"]: r for r in reader.sql(
+        f"SELECT trace_id, clock_offsets, {', '.join(COMPARED)} FROM requests").to_pylist()}
+
+
+def agreement(fleet: dict[str, dict], alone: dict[str, dict]) -> dict:
+    """How the fleet's breakdowns compare with the embedded collector's, trace by trace."""
+    same_clocks = [t for t in alone if t in fleet and dict(alone[t]["clock_offsets"]) == dict(fleet[t]["clock_offsets"])]
+    exact = [t for t in same_clocks if all(alone[t][k] == fleet[t][k] for k in COMPARED)]
+    drift = [abs(a - dict(fleet[t]["clock_offsets"]).get(i, a)) / 1e6 for t in alone if t in fleet
+             for i, a in dict(alone[t]["clock_offsets"]).items()]
+    return {"traces": len(alone), "in_both": sum(t in fleet for t in alone), "same_clocks": len(same_clocks),
+            "exact": len(exact), "max_offset_ms": max(drift, default=0.0)}
 
 
 def main() -> int:
@@ -196,6 +220,7 @@ def main() -> int:
                           args.decision_wait, args.rate, tmp)
     embedded = embedded_run(messages, args.traces, args.decision_wait, tmp)
     lags = fleet["lags"]
+    agree = agreement(fleet["rows"], embedded["rows"])
     spans = sum(fleet["spans"])
     print(f"\nload: {args.traces:,} traces, {spans:,} spans, {len(messages):,} messages; "
           f"{args.collectors} collectors on a {PARTITIONS}-partition topic")
@@ -206,6 +231,11 @@ def main() -> int:
     print(f"embedded (OTLP/HTTP -> DuckDB), same spans: {embedded['spans']:,} spans, {embedded['cpu_s']:.1f} CPU-s: "
           f"{embedded['per_cpu_s']:,.0f} spans per CPU-second")
     print(f"  fleet collector / embedded: {statistics.median(fleet['per_cpu_s']) / embedded['per_cpu_s']:.2f}")
+    print(f"decisions by the fleet: {fleet['decisions']:,} for {args.traces:,} traces ({fleet['late']:,} decided again "
+          f"after late spans): {fleet['decisions'] - fleet['late'] - args.traces:,} traces split across collectors")
+    print(f"against the embedded collector: {agree['in_both']:,} of {agree['traces']:,} traces in both stores; "
+          f"{agree['same_clocks']:,} inferred the same clock offsets, and {agree['exact']:,} of those have the same "
+          f"breakdown to the ns; offsets differ by at most {agree['max_offset_ms']:.3f} ms")
     if lags:
         q = statistics.quantiles(lags, n=100)
         print(f"end-to-end lag, last message to decision ({len(lags):,} traces, decision wait {args.decision_wait:g} s): "
