@@ -163,7 +163,10 @@ TABLES = (
     """CREATE TABLE IF NOT EXISTS origin_rows (origin_id Int64, service String, instance String, role String,
         mode String, run_id String, vllm_version String, nixl_version String, hardware String)
     ENGINE = ReplacingMergeTree ORDER BY origin_id""",
-    f"""CREATE TABLE IF NOT EXISTS clock_samples (instance String, sent_at {_TS}, offset_ms Float64, bound_ms Float64)
+    # The reader's columns, then the sample exactly (ns) and which collector measured it against its clock,
+    # for every other collector of the fleet to read back (.clocks.ClockBook.add_shared).
+    f"""CREATE TABLE IF NOT EXISTS clock_samples (instance String, sent_at {_TS}, offset_ms Float64, bound_ms Float64,
+        measured_by String, at_ns Int64, offset_ns Int64, delay_ns Int64, recorded_at {_TS} DEFAULT now64(6))
     ENGINE = MergeTree ORDER BY (instance, sent_at)""",
     f"""CREATE TABLE IF NOT EXISTS collector_runs (collector_run_id String, started_at {_TS}, kvtrace_version String,
         config String) ENGINE = MergeTree ORDER BY started_at""",
@@ -267,6 +270,7 @@ class ClickHouseStore(BufferedStore):
             raise ConnectionError(f"--store {self.address}: {str(exc).strip().splitlines()[0][:300]}") from None
         self._client = self.address.client()
         self._read_client = self.address.client(**READ_SETTINGS)
+        self._clock_client: Any = None
         # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.
         self.writer = f"{socket.gethostname()}:{Path(wal_dir).resolve()}"
         self._db_lock = threading.Lock()
@@ -291,6 +295,8 @@ class ClickHouseStore(BufferedStore):
     def _close(self) -> None:
         self._client.close()
         self._read_client.close()
+        if self._clock_client is not None:
+            self._clock_client.close()
 
     def wal_position(self) -> tuple[int, int]:
         rows = self._client.query("SELECT wal_segment, wal_offset FROM commits WHERE writer = {w:String} AND "
@@ -344,6 +350,13 @@ class ClickHouseStore(BufferedStore):
             client.insert_arrow("request_versions", table)
             self._stage_ids.update(new_stages)
         records = record_tables(pending.samples, pending.runs, pending.health)
+        if pending.samples:
+            samples, table = pending.samples, records["clock_samples"]
+            for name, values in (("measured_by", [s.measured_by for s in samples]),
+                                 ("at_ns", [s.at for s in samples]), ("offset_ns", [s.offset for s in samples]),
+                                 ("delay_ns", [s.delay for s in samples])):
+                table = table.append_column(name, pa.array(values, pa.string() if name == "measured_by" else pa.int64()))
+            records["clock_samples"] = table
         for name, table in records.items():
             client.insert_arrow("run_versions" if name == "runs" else name, table)
         client.insert("commits", [[self.writer, self.collector_run_id, flush_id, datetime.now(timezone.utc),
@@ -371,6 +384,25 @@ class ClickHouseStore(BufferedStore):
     def query(self, sql: str, params: list | None = None) -> list[tuple]:
         """Rows of one SELECT (``?`` parameters), for the collector's own checks and tests."""
         return self._read_client.query(*bind(sql, params)).result_rows
+
+    def clock_samples_since(self, recorded_after: datetime | None) -> tuple[list[Any], datetime | None]:
+        """Clock samples the fleet's other collectors wrote after ``recorded_after`` (on the first call: each
+        (sender, collector)'s last window), oldest first, and where to read on from. Reads a few seconds
+        back, as a sample may be recorded after one that was read: the book skips those it has."""
+        from .clocks import WINDOW, Sample
+
+        where = "measured_by != {me:String}"
+        if recorded_after is not None:
+            where += " AND recorded_at > {after:DateTime64(6, 'UTC')} - INTERVAL 10 SECOND"
+        if self._clock_client is None:  # its own session: it reads from another thread than the pipeline's
+            self._clock_client = self.address.client(**READ_SETTINGS)
+        rows = self._clock_client.query(
+            f"SELECT instance, at_ns, offset_ns, delay_ns, measured_by, recorded_at FROM clock_samples "
+            f"WHERE {where} ORDER BY at_ns DESC LIMIT {WINDOW} BY instance, measured_by",
+            parameters={"me": self.collector_run_id, "after": recorded_after}).result_rows
+        rows.reverse()
+        latest = max((row[5] for row in rows), default=recorded_after)
+        return [Sample(instance, at, offset, delay, by) for instance, at, offset, delay, by, _ in rows], latest
 
     def stored_spans(self, trace_id: str) -> list[SpanRow]:
         """The trace's stored spans, each once, with the attributes the collector reads."""

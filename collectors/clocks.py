@@ -7,7 +7,7 @@ to the sender's times to get the collector's) and the round trip ``δ = (t4 - t1
 Whatever the network does, the true offset lies within ``θ ± δ/2`` as long as neither direction
 takes negative time, so ``δ/2`` is the sample's error bound.
 
-Per sender the book keeps the last :data:`WINDOW` samples and fits ``θ(t) = a + b·(t - t0)`` to
+Per sender (and collector measuring it) the book keeps the last :data:`WINDOW` samples and fits ``θ(t) = a + b·(t - t0)`` to
 the ones whose round trip is within a few times the best (a congested exchange says little),
 each weighted by the inverse square of its round trip, so a clock that drifts (NTP slewing, a
 crystal 50 ppm off) is followed between exchanges from the second exchange on. At a used sample the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import collections
 import json
+import logging
 import statistics
 import threading
 import time
@@ -46,6 +47,8 @@ _MAX_DRIFT = 500e-6  # a fitted drift beyond 500 ppm says more about the samples
 _UNFITTED_DRIFT = 100e-6  # how fast a clock is taken to drift where too few samples show its drift
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
 
+logger = logging.getLogger(__name__)
+
 
 class BadExchange(ValueError):
     """A clock exchange that cannot be read (the sender's to fix)."""
@@ -57,6 +60,7 @@ class Sample:
     at: int  # the sender's clock, the exchange's middle
     offset: int  # collector - sender, ns
     delay: int  # round trip less the collector's own time, ns
+    measured_by: str = ""  # the collector whose clock ``offset`` is against (fleet mode: one of several)
 
     @property
     def bound(self) -> int:
@@ -117,12 +121,21 @@ def fit(samples: list[Sample]) -> Fit:
 
 
 class ClockBook:
-    """The samples of every sender and their fits. Exchanges arrive on receiver threads; attribution
-    reads on the pipeline thread."""
+    """The samples of every sender and their fits, per collector that measured them. Exchanges arrive on
+    receiver threads; attribution reads on the pipeline thread.
 
-    def __init__(self, on_sample: Callable[[Sample], None] | None = None, window: int = WINDOW) -> None:
-        self._samples: collections.OrderedDict[str, collections.deque[Sample]] = collections.OrderedDict()
-        self._fits: dict[str, Fit] = {}
+    An offset is against the clock of the collector that measured it, so two senders are placed against
+    each other only through a collector that measured both (``θ_a - θ_b``: that collector's clock cancels
+    out). One collector measures everything it is asked; in a fleet, the samples other collectors measured
+    reach this one through the shared store (:meth:`add_shared`), so every shard places every process the
+    same way whichever collector its clock exchanges went to."""
+
+    def __init__(self, on_sample: Callable[[Sample], None] | None = None, window: int = WINDOW,
+                 measured_by: str = "") -> None:
+        self.measured_by = measured_by
+        self._samples: collections.OrderedDict[tuple[str, str], collections.deque[Sample]] = \
+            collections.OrderedDict()  # (instance, measured_by)
+        self._fits: dict[str, dict[str, Fit]] = {}  # instance -> measured_by -> fit
         self._window = window
         self._on_sample = on_sample
         self._lock = threading.Lock()
@@ -143,29 +156,112 @@ class ClockBook:
         return json.dumps({"t2": t2, "t3": time.time_ns()}).encode()
 
     def add(self, instance: str, t1: int, t2: int, t3: int, t4: int) -> Sample | None:
+        """A sample this collector measured."""
         delay = (t4 - t1) - (t3 - t2)
         if delay < 0 or t3 < t2 or t4 < t1:
             return None  # impossible readings (a clock stepped mid-exchange): ignored
-        sample = Sample(instance, (t1 + t4) // 2, ((t2 - t1) + (t3 - t4)) // 2, delay)
-        with self._lock:
-            samples = self._samples.get(instance)
-            if samples is None:
-                samples = self._samples[instance] = collections.deque(maxlen=self._window)
-                while len(self._samples) > MAX_SENDERS:
-                    gone, _ = self._samples.popitem(last=False)
-                    self._fits.pop(gone, None)
-            else:
-                self._samples.move_to_end(instance)
-            samples.append(sample)
-            self._fits[instance] = fit(list(samples))
+        sample = Sample(instance, (t1 + t4) // 2, ((t2 - t1) + (t3 - t4)) // 2, delay, self.measured_by)
+        self._keep(sample)
         if self._on_sample is not None:
             self._on_sample(sample)
         return sample
 
+    def add_shared(self, samples: list[Sample]) -> int:
+        """Samples other collectors measured (read back from the shared store, oldest first, possibly again);
+        returns how many were new. Each (sender, collector) series only grows: one already seen is skipped."""
+        kept = 0
+        for sample in samples:
+            if sample.measured_by == self.measured_by:
+                continue
+            known = self._samples.get((sample.instance, sample.measured_by))
+            if known and sample.at <= known[-1].at:
+                continue
+            self._keep(sample)
+            kept += 1
+        return kept
+
+    def _keep(self, sample: Sample) -> None:
+        key = (sample.instance, sample.measured_by)
+        with self._lock:
+            samples = self._samples.get(key)
+            if samples is None:
+                samples = self._samples[key] = collections.deque(maxlen=self._window)
+                while len(self._samples) > MAX_SENDERS:
+                    (gone, by), _ = self._samples.popitem(last=False)
+                    fits = self._fits.get(gone, {})
+                    fits.pop(by, None)
+                    if not fits:
+                        self._fits.pop(gone, None)
+            else:
+                self._samples.move_to_end(key)
+            samples.append(sample)
+            self._fits.setdefault(sample.instance, {})[sample.measured_by] = fit(list(samples))
+
+    def measured(self, instance: str) -> bool:
+        return instance in self._fits
+
     def offset(self, instance: str, at: int) -> tuple[int, int] | None:
-        """(collector - sender, error bound) in ns at the sender's time ``at``; None if never measured."""
-        found = self._fits.get(instance)
+        """(this collector - sender, error bound) in ns at the sender's time ``at``; None if this collector
+        never measured it."""
+        found = self._fits.get(instance, {}).get(self.measured_by)
         return found.at(at) if found is not None else None
+
+    def between(self, instance: str, at: int, reference: str, reference_at: int) -> tuple[int, int] | None:
+        """(offset to add to ``instance``'s times to get ``reference``'s, error bound) in ns — ``at`` on the
+        instance's clock, ``reference_at`` on the reference's — through the collector that measured both
+        most tightly; None if none measured both."""
+        fits, reference_fits = self._fits.get(instance), self._fits.get(reference)
+        if not fits or not reference_fits:
+            return None
+        best = None
+        for by, found in fits.items():
+            other = reference_fits.get(by)
+            if other is None:
+                continue
+            (offset, bound), (reference_offset, reference_bound) = found.at(at), other.at(reference_at)
+            if best is None or bound + reference_bound < best[1]:
+                best = (offset - reference_offset, bound + reference_bound)
+        return best
+
+
+class SharedSamples:
+    """Fleet mode: every ``interval_s``, the samples the fleet's other collectors measured (``read(cursor)``
+    -> (samples, next cursor), from the shared store) into this collector's book, on a thread of its own.
+    The first read happens at start, before the pipeline decides a trace."""
+
+    def __init__(self, book: ClockBook, read: Callable[[Any], tuple[list[Sample], Any]],
+                 interval_s: float = 1.0) -> None:
+        self._book, self._read, self._interval_s = book, read, interval_s
+        self._cursor: Any = None
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="kvtrace-shared-clocks", daemon=True)
+        self.read_samples = 0
+
+    def start(self) -> None:
+        self.poll()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def poll(self) -> None:
+        try:
+            samples, self._cursor = self._read(self._cursor)
+        except Exception as exc:  # the store is away: offsets stay as they are until it is back
+            if not self._failing:
+                logger.warning("kvtrace collector: cannot read the fleet's clock samples from the store (%s); "
+                               "retrying", str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
+            self._failing = True
+            return
+        self._failing = False
+        self.read_samples += self._book.add_shared(samples)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.poll()
 
 
 # --------------------------------------------------------------------------------------
@@ -255,7 +351,7 @@ class OffsetEstimator:
 
 class ClockAligner:
     """Puts each of a trace's instances on the clock of the trace's own router (or of P, with no
-    router span). Where the book has measured both that instance and the router, the offset is
+    router span). Where a collector has measured both that instance and the router, the offset is
     ``θ_instance - θ_router`` (instance -> collector -> router) within the sum of both bounds;
     otherwise it is inferred from causally ordered pairs of the trace's spans, intersected over
     recent traces (:class:`OffsetEstimator`, kept per (router, instance): two routers' clocks
@@ -286,15 +382,14 @@ class ClockAligner:
             by_host = {span.origin.host: offsets[i] for i, span in instances.items() if i in offsets and span.origin.host}
             side_offset = {span.origin.side: offsets[i] for i, span in instances.items() if i in offsets}
             reference = next(iter(offsets), None)
-            measured_reference = (self.book.offset(reference, instances[reference].start)
-                                  if self.book is not None and reference in instances and reference in bounds else None)
+            measure = (self.book is not None and reference in instances and reference in bounds)
             for instance, span in instances.items():
                 if instance in offsets:
                     continue
-                measured = self.book.offset(instance, span.start) if measured_reference is not None else None
+                measured = self.book.between(instance, span.start, reference, instances[reference].start) \
+                    if measure else None
                 if measured is not None:
-                    offsets[instance] = measured[0] - measured_reference[0]
-                    bounds[instance] = measured[1] + measured_reference[1]
+                    offsets[instance], bounds[instance] = measured
                 else:
                     offsets[instance] = by_host.get(span.origin.host, side_offset.get(span.origin.side, 0))
         return offsets, bounds, suspect
@@ -309,8 +404,8 @@ class ClockAligner:
         else:
             return {}, {}, False
         offsets, bounds = {reference: 0}, {}
-        measured_reference = self.book.offset(reference, at) if self.book is not None else None
-        if measured_reference is not None:
+        measure = self.book is not None and self.book.measured(reference)
+        if measure:
             bounds[reference] = 0
         suspect = False
 
@@ -318,11 +413,11 @@ class ClockAligner:
             nonlocal suspect
             instance = span.origin.instance
             estimate = self.estimator.update((reference, instance), lower, upper)
-            measured = self.book.offset(instance, span.start) if measured_reference is not None else None
+            measured = self.book.between(instance, span.start, reference, at) if measure else None
             if measured is None:
                 offsets[instance] = estimate
                 return estimate
-            offset, bound = measured[0] - measured_reference[0], measured[1] + measured_reference[1]
+            offset, bound = measured
             offsets[instance], bounds[instance] = offset, bound
             if (lower is not None and offset < lower - bound) or (upper is not None and offset > upper + bound):
                 suspect = True

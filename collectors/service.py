@@ -29,7 +29,7 @@ from .assembler import Assembler
 from .attribution import Attributor
 from .breakdown import Breakdown
 from .breakdown_span import BreakdownSpans
-from .clocks import ClockBook
+from .clocks import ClockBook, SharedSamples
 from .config import CollectorConfig
 from .forwarder import DecidedTraceForwarder, Upstream
 from .metrics import CollectorMetrics
@@ -200,7 +200,10 @@ class Collector:
             else Store(config.db_path)
         self.wal = WriteAheadLog(config.wal_path, fsync=config.fsync, archive_bytes=config.archive_bytes)
         self.metrics = CollectorMetrics()
-        self.clocks = ClockBook(on_sample=self.store.add_clock_sample)
+        self.clocks = ClockBook(on_sample=self.store.add_clock_sample, measured_by=self.store.collector_run_id)
+        # In a fleet, each collector measures the senders whose exchanges reach it; every one reads the rest.
+        self.shared_clocks = SharedSamples(self.clocks, self.store.clock_samples_since) if config.shared_store \
+            else None
         self.upstreams = [Upstream(url) for url in config.forward]
         # The chain, last stage first: each is handed the next.
         breakdown_spans = BreakdownSpans(segments=config.forward_critical_path,
@@ -251,6 +254,8 @@ class Collector:
             upstream.start()
         if not c.kafka_brokers:  # from Kafka, the topic is the log: a restart reads on from the last commit
             self._replay()
+        if self.shared_clocks is not None:
+            self.shared_clocks.start()
         self._thread.start()
         if c.metrics_port is not None:
             with _listening("metrics-port", c.host, c.metrics_port):
@@ -292,6 +297,8 @@ class Collector:
             receiver.shutdown()
         if self.query_service is not None:
             self.query_service.shutdown()
+        if self.shared_clocks is not None:
+            self.shared_clocks.shutdown()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

@@ -59,7 +59,7 @@ class Pending:
     batches: list  # one entry per export request, in the store's own form (:meth:`BufferedStore._entry`)
     decided: list[tuple[Breakdown, bool, int]]  # (breakdown, replaces, decided at ns)
     health: list[tuple]
-    samples: list[tuple]
+    samples: list[Any]  # .clocks.Sample
     runs: list[tuple]
     position: tuple[int, int] | None  # where the write-ahead log is once this flush commits
 
@@ -79,7 +79,7 @@ class BufferedStore:
         self._rows = 0
         self._breakdowns: dict[str, tuple[Breakdown, bool, int]] = {}  # trace id -> (breakdown, replaces, at)
         self._health: list[tuple] = []
-        self._clock_samples: list[tuple] = []
+        self._clock_samples: list[Any] = []  # .clocks.Sample
         self._runs: dict[str, tuple] = {}
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
@@ -165,7 +165,7 @@ class BufferedStore:
     def add_clock_sample(self, sample: Any) -> None:
         """One measured offset of a sender (:class:`.clocks.Sample`), written with the next commit."""
         with self._lock:
-            self._clock_samples.append((sample.instance, sample.at // 1000, sample.offset / 1e6, sample.bound / 1e6))
+            self._clock_samples.append(sample)
 
     def add_health(self, counters: dict[str, float]) -> None:
         """The collector's counters now (:data:`.schema.HEALTH_COLUMNS`), written with the next commit."""
@@ -450,13 +450,15 @@ def _registry_tables(new_origins: dict[tuple[str, ...], int], new_stages: dict[t
     return tables
 
 
-def record_tables(samples: list[tuple], runs: list[tuple], health: list[tuple]) -> dict[str, pa.Table]:
-    """Clock samples, sweep-run records and the collector's health rows buffered since the last flush."""
+def record_tables(samples: list[Any], runs: list[tuple], health: list[tuple]) -> dict[str, pa.Table]:
+    """Clock samples (:class:`.clocks.Sample`), sweep-run records and the collector's health rows buffered
+    since the last flush."""
     tables = {}
     if samples:
-        instance, sent_at, offset, bound = zip(*samples)
-        tables["clock_samples"] = pa.table({"instance": instance, "sent_at": pa.array(
-            sent_at, pa.timestamp("us", tz="UTC")), "offset_ms": offset, "bound_ms": bound})
+        tables["clock_samples"] = pa.table({
+            "instance": [s.instance for s in samples],
+            "sent_at": pa.array([s.at // 1000 for s in samples], pa.timestamp("us", tz="UTC")),
+            "offset_ms": [s.offset / 1e6 for s in samples], "bound_ms": [s.bound / 1e6 for s in samples]})
     if runs:
         run_ids, recorded, configs = zip(*runs)
         tables["runs"] = pa.table({"run_id": run_ids, "recorded_at": pa.array(

@@ -36,6 +36,30 @@ def test_a_sample_bounds_the_true_offset_whatever_the_asymmetry():
         assert abs(sample.offset - (-40 * MS)) <= sample.bound == 200 * US
 
 
+def test_two_processes_are_placed_through_a_collector_that_measured_both():
+    """In a fleet each collector's offsets are against its own clock: a process and its router are placed
+    against each other through one collector that measured both, whichever collector decides the trace."""
+    a, b = ClockBook(measured_by="a"), ClockBook(measured_by="b")
+    for i in range(3):
+        true = BASE_NS + i * 2_000 * MS
+        for book, collector_skew in ((a, 0), (b, 7 * MS)):  # b's clock is 7 ms behind a's
+            exchange(book, "router", true, skew_ns=collector_skew + 3 * MS, delay_ns=300 * US)
+        exchange(a, "p", true, skew_ns=40 * MS, delay_ns=300 * US)  # p exchanges with a only
+        exchange(b, "d", true, skew_ns=7 * MS - 20 * MS, delay_ns=300 * US)  # d with b only
+    fleet = ClockBook(measured_by="c")  # a third collector, reading both from the shared store
+    shared = [s for book in (a, b) for key in book._samples for s in book._samples[key]]
+    assert fleet.add_shared(shared) == len(shared) == 12
+    assert fleet.add_shared(shared) == 0  # read again: already known
+    at = BASE_NS + 4_000 * MS
+    assert fleet.offset("p", at) is None  # nothing against the third collector's own clock
+    p_offset, p_bound = fleet.between("p", at + 40 * MS, "router", at + 3 * MS)
+    d_offset, d_bound = fleet.between("d", at - 20 * MS, "router", at + 3 * MS)
+    assert abs(p_offset - (3 * MS - 40 * MS)) <= p_bound and p_bound <= 400 * US  # router - p
+    assert abs(d_offset - (3 * MS + 20 * MS)) <= d_bound  # through b: its 7 ms cancel out
+    assert fleet.between("p", at, "d", at) is None  # no collector measured both
+    assert a.between("p", at + 40 * MS, "router", at + 3 * MS) == (p_offset, p_bound)  # as the measurer sees it
+
+
 def test_the_fit_follows_a_drifting_clock():
     book = ClockBook()
     drift = 50e-6  # 50 ppm

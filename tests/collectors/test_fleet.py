@@ -26,7 +26,7 @@ COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms
 
 @pytest.fixture(scope="module")
 def kafka():
-    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2}) as cluster:
+    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2, "clocks": PARTITIONS}) as cluster:
         yield cluster
 
 
@@ -37,9 +37,9 @@ def fleet_messages():
 
 
 def _fleet_collector(store: str, kafka, tmp_path, name: str, **overrides) -> Collector:
-    collector = Collector(CollectorConfig(db_path=store, wal_dir=str(tmp_path / name), grpc_port=None, http_port=None,
-                                          query_port=None, decision_wait_s=0.5, kafka_brokers=kafka.bootstrap_servers,
-                                          **overrides))
+    collector = Collector(CollectorConfig(**{
+        "db_path": store, "wal_dir": str(tmp_path / name), "grpc_port": None, "http_port": None, "query_port": None,
+        "decision_wait_s": 0.5, "kafka_brokers": kafka.bootstrap_servers, **overrides}))
     collector.start()
     return collector
 
@@ -194,3 +194,52 @@ def test_rotel_s_kafka_exporter_is_detected_as_unkeyed(kafka, clickhouse_server,
     assert len(warnings) == 1 and "(key b''," in warnings[0]  # rotel sends an empty key
     stored = open_store(clickhouse_server.store_url("rotel")).sql("SELECT trace_id FROM requests").to_pylist()
     assert {r["trace_id"] for r in stored} == {b.trace_id for b in builts}  # one collector: nothing split
+
+
+def test_clocks_measured_by_one_collector_align_the_traces_every_collector_decides(kafka, clickhouse_server,
+                                                                                    tmp_path):
+    """Every process exchanges clocks with one collector of the group (its ``clock_endpoint``); the others
+    read those samples back from the shared store, so each shard places each process by its measured
+    offset (with its error bound), not by inference from the third of the traces it sees."""
+    from kvtrace.telemetry.clock import ClockSync
+
+    url = clickhouse_server.store_url("clocks")
+    collectors = [_fleet_collector(url, kafka, tmp_path, f"k{i}", kafka_topic="clocks", kafka_group="clocks",
+                                   **({"http_port": 0} if i == 0 else {})) for i in range(3)]
+    generator = FleetGenerator(FleetShape(routers=2, prefill=4, decode=4, skew_ms=50.0, late_share=0.0))
+    skews = {**{router: 0 for router in generator.routers}, **generator.skew_ns}
+    endpoint = next(r for r in collectors[0].receivers if "Http" in type(r).__name__).endpoint
+    syncs = [ClockSync(endpoint, "http/protobuf", name, lambda s=skew: time.time_ns() + s, interval_ms=1)
+             for name, skew in skews.items()]
+    try:
+        for _ in range(3):  # three bursts each, handed over with the next: two samples per process
+            for sync in syncs:
+                sync.tick()
+            time.sleep(0.3)
+        _wait(lambda: all(c.kafka.stats.partitions for c in collectors), 60, "the group to share the partitions")
+        _wait(lambda: all(c.clocks.measured(name) for c in collectors for name in skews), 30,
+              "every collector to know every measured clock")
+        messages = list(generator.messages(600, time.time_ns() - 15 * 10**9))
+        assert publish(kafka.bootstrap_servers, "clocks", messages) == len(messages)
+        reader = open_store(url)
+        _wait(lambda: reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"] >= 600, 120,
+              "every trace in the store")
+        local = [sum(1 for name in skews if c.clocks.offset(name, time.time_ns()) is not None) for c in collectors]
+        shared = [c.shared_clocks.read_samples for c in collectors]
+        decided = [c.assembler.stats.traces_decided for c in collectors]
+    finally:
+        for sync in syncs:
+            sync.close()
+        for c in collectors:
+            c.shutdown()
+    assert local == [len(skews), 0, 0] and shared[0] == 0 and all(shared[1:]), (local, shared)
+    assert all(decided), decided  # every shard decided traces
+    rows = reader.sql("SELECT trace_id, prefill_instance, decode_instance, clock_offsets, clock_bounds "
+                      "FROM requests WHERE prefill_instance != '' AND decode_instance != ''").to_pylist()
+    assert len(rows) >= 0.9 * 600
+    for row in rows:
+        offsets, bounds = dict(row["clock_offsets"]), dict(row["clock_bounds"])
+        for instance in (row["prefill_instance"], row["decode_instance"]):
+            # add the offset to the process's times to get its router's (unskewed) clock: minus its skew
+            assert instance in bounds and bounds[instance] < 5_000_000, (row["trace_id"], instance, bounds)
+            assert abs(offsets[instance] + skews[instance]) <= bounds[instance] + 200_000, (instance, offsets)
