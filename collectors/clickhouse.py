@@ -52,14 +52,16 @@ from kvtrace.telemetry import semconv
 from . import schema
 from .breakdown import Breakdown, category_of
 from .model import Origin, SpanBatch, SpanRow
-from .store import BufferedStore, Pending, record_tables, request_table
+from .store import BufferedStore, Pending, SchemaMismatch, record_tables, request_table
 
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("clickhouse://", "clickhouses://")
-READ_SETTINGS = {"aggregate_functions_null_for_empty": 1, "prefer_column_name_to_alias": 1}
+READ_SETTINGS = {"aggregate_functions_null_for_empty": 1, "prefer_column_name_to_alias": 1,
+                 "distributed_product_mode": "global"}
 """The reader's questions read as in DuckDB: aggregates over no rows are NULL (ClickHouse's default is 0),
-and a name is the column before a SELECT alias of the same name (``sum(ttft_ms) / sum(requests) AS ttft_ms``)."""
+and a name is the column before a SELECT alias of the same name (``sum(ttft_ms) / sum(requests) AS ttft_ms``).
+On a cluster, a subquery or join over another Distributed table is computed once and sent to every shard."""
 
 
 def is_clickhouse(store: str | None) -> bool:
@@ -68,7 +70,12 @@ def is_clickhouse(store: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ClickHouseAddress:
-    """Where the store is: ``clickhouse://[user[:password]@]host[:port]/database``."""
+    """Where the store is: ``clickhouse://[user[:password]@]host[:port][,host2[:port]...]/database[?cluster=NAME]``.
+
+    With ``cluster``, the tables are sharded over that cluster of the servers' ``remote_servers``
+    configuration: each host listed (every shard of the cluster, by its HTTP address) holds ``<table>_local``,
+    and ``<table>`` is a ``Distributed`` table over them, sharded by trace id (:data:`SHARDING_KEYS`).
+    Collectors and readers talk to the first host."""
 
     host: str
     port: int
@@ -76,33 +83,60 @@ class ClickHouseAddress:
     user: str = "default"
     password: str = ""
     secure: bool = False
+    cluster: str = ""
+    shards: tuple[tuple[str, int], ...] = ()  # every host listed, the first included
 
     @classmethod
     def parse(cls, url: str) -> "ClickHouseAddress":
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme.lower() not in ("clickhouse", "clickhouses") or not parts.hostname:
+        scheme, _, rest = url.partition("://")
+        scheme = scheme.lower()
+        netloc, _, tail = rest.partition("/")
+        path, _, query = tail.partition("?")
+        if scheme not in ("clickhouse", "clickhouses") or not netloc.rpartition("@")[2]:
             raise ValueError(f"--store {url}: use clickhouse://host:8123/database")
-        database = parts.path.strip("/") or "kvtrace"
+        userinfo, _, hosts = netloc.rpartition("@")
+        user, _, password = userinfo.partition(":")
+        database = path.strip("/") or "kvtrace"
         if not database.replace("_", "").isalnum():
             raise ValueError(f"--store {url}: {database!r} is not a database name (letters, digits, _)")
-        try:
-            port = parts.port or (8443 if parts.scheme.lower() == "clickhouses" else 8123)
-        except ValueError:
-            raise ValueError(f"--store {url}: not a port") from None
-        return cls(parts.hostname, port, database, urllib.parse.unquote(parts.username or "default"),
-                   urllib.parse.unquote(parts.password or ""), parts.scheme.lower() == "clickhouses")
+        default_port = 8443 if scheme == "clickhouses" else 8123
+        shards = []
+        for host in hosts.split(","):
+            parts = urllib.parse.urlsplit(f"//{host}")
+            try:
+                port = parts.port or default_port
+            except ValueError:
+                raise ValueError(f"--store {url}: {host!r}: not a port") from None
+            if not parts.hostname:
+                raise ValueError(f"--store {url}: {host!r} is not a host")
+            shards.append((parts.hostname, port))
+        options = urllib.parse.parse_qs(query)
+        unknown = sorted(set(options) - {"cluster"})
+        if unknown:
+            raise ValueError(f"--store {url}: unknown option {unknown[0]!r} (only cluster=NAME)")
+        cluster = options.get("cluster", [""])[-1]
+        if cluster and not cluster.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"--store {url}: {cluster!r} is not a cluster name")
+        if len(shards) > 1 and not cluster:
+            raise ValueError(f"--store {url}: several hosts are the shards of a cluster: add ?cluster=NAME "
+                             "(the name in the servers' remote_servers)")
+        return cls(shards[0][0], shards[0][1], database, urllib.parse.unquote(user or "default"),
+                   urllib.parse.unquote(password), scheme == "clickhouses", cluster, tuple(shards))
 
-    def client(self, *, database: bool = True, **settings: Any):
-        """A client of the server (its HTTP interface); one per thread is not needed: it holds no session."""
+    def client(self, *, database: bool = True, shard: tuple[str, int] | None = None, **settings: Any):
+        """A client of the first host (or of ``shard``), over HTTP; it holds no session."""
         import clickhouse_connect  # only a fleet's collectors and readers need it
 
+        host, port = shard or (self.host, self.port)
         return clickhouse_connect.get_client(
-            host=self.host, port=self.port, username=self.user, password=self.password, secure=self.secure,
+            host=host, port=port, username=self.user, password=self.password, secure=self.secure,
             database=self.database if database else "default", autogenerate_session_id=False,
             settings=settings, connect_timeout=5, send_receive_timeout=60)
 
     def __str__(self) -> str:
-        return f"clickhouse{'s' if self.secure else ''}://{self.host}:{self.port}/{self.database}"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.shards or ((self.host, self.port),))
+        return (f"clickhouse{'s' if self.secure else ''}://{hosts}/{self.database}"
+                + (f"?cluster={self.cluster}" if self.cluster else ""))
 
 
 def stable_id(*parts: str) -> int:
@@ -233,23 +267,53 @@ VIEWS = (
 )
 
 
-class SchemaMismatch(ValueError):
-    """The ClickHouse database was written by a kvtrace with different tables."""
+SHARDING_KEYS = {
+    "otel_traces": "cityHash64(TraceId)", "request_versions": "cityHash64(trace_id)",
+    "run_versions": "cityHash64(run_id)", "stage_key_rows": "stage_key", "origin_rows": "origin_id",
+    "clock_samples": "cityHash64(instance)", "collector_runs": "cityHash64(collector_run_id)",
+    "collector_health": "cityHash64(collector_run_id)", "commits": "cityHash64(writer)",
+}
+"""On a cluster, the shard of each table's row. A trace's spans and its request versions are on one shard, so
+``FINAL`` collapses them there; each replacing table is sharded by what it collapses on."""
+
+
+def schema_statements(address: ClickHouseAddress) -> list[str]:
+    """The DDL of one host: the tables, or on a cluster each as ``<name>_local`` and a ``Distributed``
+    ``<name>`` over the cluster; then the views, over the names either way. ``schema_version`` stays local."""
+    if not address.cluster:
+        return [*TABLES, *VIEWS]
+    statements, distributed = [], []
+    for statement in TABLES:
+        name = statement.split("EXISTS ", 1)[1].split(None, 1)[0]
+        if name not in SHARDING_KEYS:
+            statements.append(statement)
+            continue
+        statements.append(statement.replace(f"EXISTS {name} ", f"EXISTS {name}_local ", 1))
+        distributed.append(f"CREATE TABLE IF NOT EXISTS {name} AS {name}_local ENGINE = Distributed("
+                           f"'{address.cluster}', '{address.database}', '{name}_local', {SHARDING_KEYS[name]})")
+    return [*statements, *distributed, *VIEWS]
 
 
 def create_schema(address: ClickHouseAddress) -> None:
-    """Create the database and its tables where missing; refuse, before writing, one of another schema."""
-    address.client(database=False).command(f"CREATE DATABASE IF NOT EXISTS {address.database}")
-    client = address.client()
-    found = client.query("SELECT max(version) FROM schema_version").result_rows[0][0] \
-        if client.command(f"EXISTS TABLE schema_version") else None
-    if found and found != schema.SCHEMA_VERSION:
-        raise SchemaMismatch(f"--store {address}: written by a kvtrace with store schema {found}, this one uses "
-                             f"{schema.SCHEMA_VERSION}; use a new database")
-    for statement in (*TABLES, *VIEWS):
-        client.command(statement)
-    if not found:
-        client.command(f"INSERT INTO schema_version VALUES ({schema.SCHEMA_VERSION})")
+    """Create the database and its tables where missing, on every host listed; refuse, before writing, one of
+    another schema."""
+    for shard in address.shards or ((address.host, address.port),):
+        address.client(database=False, shard=shard).command(f"CREATE DATABASE IF NOT EXISTS {address.database}")
+        client = address.client(shard=shard)
+        if address.cluster:
+            known = [row[0] for row in client.query("SELECT DISTINCT cluster FROM system.clusters").result_rows]
+            if address.cluster not in known:
+                raise ValueError(f"--store {address}: {shard[0]}:{shard[1]} has no cluster {address.cluster!r} in "
+                                     f"its remote_servers (it has: {', '.join(known) or 'none'})")
+        found = client.query("SELECT max(version) FROM schema_version").result_rows[0][0] \
+            if client.command("EXISTS TABLE schema_version") else None
+        if found and found != schema.SCHEMA_VERSION:
+            raise SchemaMismatch(f"--store {address}: written by a kvtrace with store schema {found}, this one uses "
+                                 f"{schema.SCHEMA_VERSION}; use a new database")
+        for statement in schema_statements(address):
+            client.command(statement)
+        if not found:
+            client.command(f"INSERT INTO schema_version VALUES ({schema.SCHEMA_VERSION})")
 
 
 # ---------------------------------------------------------------------------------------------- writer
@@ -264,11 +328,13 @@ class ClickHouseStore(BufferedStore):
         super().__init__(str(self.address), flush_interval_s=flush_interval_s, flush_rows=flush_rows)
         try:
             create_schema(self.address)
-        except SchemaMismatch:
+        except ValueError:  # another schema, no such cluster: the user's to fix, said as it is
             raise
         except Exception as exc:  # the driver's own errors: say which store, in one line
             raise ConnectionError(f"--store {self.address}: {str(exc).strip().splitlines()[0][:300]}") from None
-        self._client = self.address.client()
+        # Through a Distributed table, an insert returns once every shard holds its rows (not queued on this
+        # host): a commit row is only written after its flush's rows are stored.
+        self._client = self.address.client(**({"distributed_foreground_insert": 1} if self.address.cluster else {}))
         self._read_client = self.address.client(**READ_SETTINGS)
         self._clock_client: Any = None
         # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.

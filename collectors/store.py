@@ -49,7 +49,7 @@ _RETRACT_ROLLUPS = schema.rollup_statements("trace_id IN (SELECT unnest(?))", -1
 
 
 class SchemaMismatch(ValueError):
-    """The DuckDB file was written by a kvtrace with different tables."""
+    """The store (a DuckDB file, a ClickHouse database) was written by a kvtrace with different tables."""
 
 
 @dataclasses.dataclass

@@ -40,3 +40,12 @@ def clickhouse_server(tmp_path_factory):
 
     with ClickHouseServer(str(tmp_path_factory.mktemp("clickhouse"))) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def clickhouse_cluster():
+    """Two more ClickHouse servers, the two shards of one cluster (a store sharded behind Distributed tables)."""
+    from kvtrace.testbed.peers import ClickHouseCluster
+
+    with ClickHouseCluster(shards=2) as cluster:
+        yield cluster

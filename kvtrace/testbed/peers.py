@@ -91,7 +91,7 @@ CLICKHOUSE_CONFIG = """<clickhouse>
   <listen_host>127.0.0.1</listen_host>
   <http_port>{http_port}</http_port>
   <tcp_port>{tcp_port}</tcp_port>
-  <logger><level>warning</level><console>0</console></logger>
+  <logger><level>warning</level><console>0</console></logger>{remote_servers}
 </clickhouse>
 """
 # chdb is ClickHouse in a library: this starts its HTTP and native listeners, then holds the server
@@ -109,9 +109,10 @@ except Exception as exc:
 class ClickHouseServer:
     """A ClickHouse server on 127.0.0.1 in its own process and folder, HTTP (``url``) and native ports."""
 
-    def __init__(self, directory: str | None = None) -> None:
+    def __init__(self, directory: str | None = None, *, remote_servers: str = "") -> None:
         self.http_port, self.tcp_port = free_port(), free_port()
         self.directory = Path(directory or tempfile.mkdtemp(prefix="kvtrace-clickhouse-"))
+        self.remote_servers = remote_servers  # <remote_servers> XML: the clusters this server knows
         self._process: subprocess.Popen | None = None
 
     def store_url(self, database: str) -> str:
@@ -122,8 +123,8 @@ class ClickHouseServer:
         import sys
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / "config.xml").write_text(CLICKHOUSE_CONFIG.format(http_port=self.http_port,
-                                                                             tcp_port=self.tcp_port))
+        (self.directory / "config.xml").write_text(CLICKHOUSE_CONFIG.format(
+            http_port=self.http_port, tcp_port=self.tcp_port, remote_servers=self.remote_servers))
         self._process = subprocess.Popen([sys.executable, "-c", _CLICKHOUSE_SERVE, str(self.directory)],
                                          cwd=self.directory, stdout=subprocess.DEVNULL,
                                          stderr=open(self.directory / "stderr.log", "wb"), start_new_session=True)
@@ -146,6 +147,38 @@ class ClickHouseServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(5)
+
+
+class ClickHouseCluster:
+    """``shards`` ClickHouse servers that each know the others as the shards of one cluster (``name``), for a
+    store sharded over them (``store_url``: every shard's HTTP address and ``?cluster=``)."""
+
+    def __init__(self, shards: int = 2, name: str = "kvtrace") -> None:
+        self.name = name
+        self.servers = [ClickHouseServer() for _ in range(shards)]
+        remote = "".join(f"<shard><replica><host>127.0.0.1</host><port>{s.tcp_port}</port></replica></shard>"
+                         for s in self.servers)
+        for server in self.servers:
+            server.remote_servers = f"\n  <remote_servers><{name}>{remote}</{name}></remote_servers>"
+
+    def store_url(self, database: str) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.http_port}" for s in self.servers)
+        return f"clickhouse://{hosts}/{database}?cluster={self.name}"
+
+    def __enter__(self) -> "ClickHouseCluster":
+        started = []
+        try:
+            for server in self.servers:
+                started.append(server.__enter__())
+        except BaseException:
+            for server in started:
+                server.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for server in self.servers:
+            server.__exit__()
 
 
 # librdkafka's mock cluster, created through its C API (confluent-kafka does not wrap it): brokers that

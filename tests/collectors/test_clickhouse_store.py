@@ -41,14 +41,25 @@ def _collect(store: str, wal_dir, payloads: list[bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def stores(clickhouse_server, tmp_path_factory):
-    """The same spans in a DuckDB file and in a ClickHouse database, each written by a collector."""
-    folder = tmp_path_factory.mktemp("parity")
-    payloads = _payloads()
-    duck = str(folder / "kvtrace.duckdb")
-    _collect(duck, folder / "duck-wal", payloads)
-    url = clickhouse_server.store_url("parity")
-    _collect(url, folder / "clickhouse-wal", payloads)
+def payloads():
+    return _payloads()
+
+
+@pytest.fixture(scope="module")
+def duck(payloads, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("parity-duckdb")
+    path = str(folder / "kvtrace.duckdb")
+    _collect(path, folder / "wal", payloads)
+    return path
+
+
+@pytest.fixture(scope="module", params=["one-server", "two-shards"])
+def stores(request, duck, payloads, clickhouse_server, tmp_path_factory):
+    """The same spans in a DuckDB file and in a ClickHouse database (on one server, or sharded over two behind
+    Distributed tables), each written by a collector."""
+    server = request.getfixturevalue("clickhouse_cluster") if request.param == "two-shards" else clickhouse_server
+    url = server.store_url("parity")
+    _collect(url, tmp_path_factory.mktemp("clickhouse-wal"), payloads)
     return open_store(duck), open_store(url)
 
 
@@ -212,3 +223,35 @@ def test_decision_versions_rank_replacements_above_first_decisions():
     replaced, replaced_again = clickhouse.decision_version(150, True), clickhouse.decision_version(300, True)
     assert later_first < first < replaced < replaced_again
     assert time.time_ns() < 2 ** 62  # the versions never cross
+
+
+@pytest.mark.parametrize("stores", ["two-shards"], indirect=True)
+def test_a_sharded_store_keeps_each_trace_on_one_shard(stores):
+    duck, house = stores
+    address = house.source.address
+    per_shard = []
+    for shard in address.shards:
+        client = address.client(shard=shard)
+        per_shard.append({
+            "requests": {r[0] for r in client.query("SELECT trace_id FROM request_versions_local FINAL").result_rows},
+            "spans": {r[0] for r in client.query("SELECT DISTINCT lower(TraceId) FROM otel_traces_local").result_rows}})
+    assert all(shard["requests"] for shard in per_shard)  # both shards hold traces
+    assert not per_shard[0]["requests"] & per_shard[1]["requests"]  # a trace's request on one shard
+    assert not per_shard[0]["spans"] & per_shard[1]["spans"]  # and all its spans with it
+    assert per_shard[0]["requests"] <= per_shard[0]["spans"] and per_shard[1]["requests"] <= per_shard[1]["spans"]
+    total = duck.sql("SELECT count(*) AS n FROM requests").to_pylist()[0]["n"]
+    assert sum(len(shard["requests"]) for shard in per_shard) == total
+
+
+def test_store_urls_name_their_shards_and_cluster(clickhouse_server):
+    address = clickhouse.ClickHouseAddress.parse("clickhouse://u:p%40ss@h1:9000,h2/fleet?cluster=kv")
+    assert (address.host, address.port, address.user, address.password) == ("h1", 9000, "u", "p@ss")
+    assert address.shards == (("h1", 9000), ("h2", 8123)) and address.cluster == "kv"
+    assert str(address) == "clickhouse://h1:9000,h2:8123/fleet?cluster=kv"
+    with pytest.raises(ValueError, match=r"add \?cluster=NAME"):
+        clickhouse.ClickHouseAddress.parse("clickhouse://h1,h2/fleet")
+    with pytest.raises(ValueError, match="unknown option 'shard'"):
+        clickhouse.ClickHouseAddress.parse("clickhouse://h1/fleet?shard=2")
+    with pytest.raises(ValueError, match="no cluster 'nowhere' in its remote_servers"):
+        clickhouse.create_schema(clickhouse.ClickHouseAddress.parse(
+            clickhouse_server.store_url("lonely") + "?cluster=nowhere"))

@@ -26,7 +26,8 @@ COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms
 
 @pytest.fixture(scope="module")
 def kafka():
-    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2, "clocks": PARTITIONS}) as cluster:
+    with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2, "clocks": PARTITIONS,
+                           "fleet-sharded": PARTITIONS}) as cluster:
         yield cluster
 
 
@@ -57,14 +58,20 @@ def _wait(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-server", "two-shards"])
 def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_collector(
-        kafka, fleet_messages, clickhouse_server, tmp_path):
-    url = clickhouse_server.store_url("fleet")
-    collectors = [_fleet_collector(url, kafka, tmp_path, f"c{i}", kafka_topic=TOPIC, kafka_group="fleet")
+        kafka, fleet_messages, clickhouse_server, tmp_path, request, sharded):
+    """Into one ClickHouse server, and into two shards behind Distributed tables."""
+    if sharded:
+        cluster = request.getfixturevalue("clickhouse_cluster")
+        url, topic = cluster.store_url("fleet"), "fleet-sharded"
+    else:
+        url, topic = clickhouse_server.store_url("fleet"), TOPIC
+    collectors = [_fleet_collector(url, kafka, tmp_path, f"c{i}", kafka_topic=topic, kafka_group="fleet")
                   for i in range(3)]
     try:
         _wait(lambda: all(c.kafka.stats.partitions for c in collectors), 60, "the group to share the partitions")
-        assert publish(kafka.bootstrap_servers, TOPIC, fleet_messages) == len(fleet_messages)
+        assert publish(kafka.bootstrap_servers, topic, fleet_messages) == len(fleet_messages)
         reader = open_store(url)
         _wait(lambda: reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"] >= TRACES, 180,
               "every trace in the store")
