@@ -164,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``kvtrace collector``'s flags (:meth:`CollectorConfig.from_arguments` reads them back)."""
     parser.add_argument("--db", "--store", dest="db", default="kvtrace.duckdb", metavar="PATH|URL",
                         help="the store: a DuckDB file (default kvtrace.duckdb), or a fleet's shared ClickHouse "
-                             "database, clickhouse://host:8123/database")
+                             "database, clickhouse://host:8123/database (sharded: "
+                             "clickhouse://host1,host2/database?cluster=NAME)")
     parser.add_argument("--wal-dir", help="write-ahead log folder (default <db>.kvtrace-wal; with a ClickHouse "
                                           "store, ./kvtrace-wal)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -218,7 +218,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", "--store", dest="db", metavar="PATH|URL",
                         help="the store: a DuckDB file, whether or not a collector is writing it, or a fleet's "
-                             "shared ClickHouse database (clickhouse://host:8123/database)")
+                             "shared ClickHouse database (clickhouse://host:8123/database; sharded: "
+                             "clickhouse://host1,host2/database?cluster=NAME)")
     parser.add_argument("--collector", metavar="URL",
                         help="a collector's query endpoint instead (http://host:port), e.g. on another host")
     parser.add_argument("--token", default=os.environ.get("KVTRACE_TOKEN"),
