@@ -59,9 +59,10 @@ def list_runs(reader: Any) -> list[dict[str, Any]]:
     """Every recorded run, newest first: id, mode, status, when, and its swept requests stored."""
     field = reader.dialect.json_string
     return reader.sql(f"""SELECT r.run_id, {field('r.config', 'mode')} AS mode,
-            {field('r.config', 'status')} AS status, r.recorded_at,
-            (SELECT count(*) FROM requests q WHERE q.run_id = r.run_id AND q.point_prompt_tokens IS NOT NULL)
-            AS requests FROM runs r ORDER BY r.recorded_at DESC""").to_pylist()
+            {field('r.config', 'status')} AS status, r.recorded_at, coalesce(q.requests, 0) AS requests
+        FROM runs r LEFT JOIN (SELECT run_id, count(*) AS requests FROM requests
+                               WHERE point_prompt_tokens IS NOT NULL GROUP BY run_id) q ON q.run_id = r.run_id
+        ORDER BY r.recorded_at DESC""").to_pylist()
 
 
 def default_pair(listed: list[dict[str, Any]]) -> tuple[str, str] | None:

@@ -44,6 +44,17 @@ class Instance:
         return b"".join(field(1, key_value(k, v)) for k, v in attributes)
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientInstance:
+    """The load generator's client (``kvtrace.client.request`` spans), a resource of its own."""
+
+    run_id: str
+
+    def resource(self) -> bytes:
+        return field(1, key_value(semconv.RES_SERVICE_NAME, "kvtrace-bench")) + field(1, key_value(
+            semconv.RES_RUN_ID, self.run_id))
+
+
 _SCOPE = field(1, field(1, semconv.INSTRUMENTATION_SCOPE.encode()))  # ScopeSpans.scope = {name}
 
 
@@ -57,6 +68,20 @@ def _span(trace_id: bytes, span_id: bytes, parent: bytes, stage: Stage, start: i
     if error:
         body += field(9, key_value(semconv.ATTR_FAILURE_CAUSE, error)) + field(15, varint(3 << 3) + varint(2))
     return body
+
+
+def _client_span(trace_id: bytes, span_id: bytes, t0: int, ttft_ms: float, tpot_ms: float, last_ms: float,
+                 tokens: int, concurrency: int, prompt_tokens: int) -> bytes:
+    """The client's ``kvtrace.client.request``: sent 0.3 ms before the router had it, read 0.4 ms after."""
+    attrs = b"".join(field(9, key_value(k, v)) for k, v in (
+        (semconv.CLIENT_TTFT_NS, int((ttft_ms + 0.7) * MS)), (semconv.CLIENT_TPOT_NS, int(tpot_ms * MS)),
+        (semconv.CLIENT_ITL_P50_NS, int(tpot_ms * 0.97 * MS)), (semconv.CLIENT_ITL_P99_NS, int(tpot_ms * 1.6 * MS)),
+        (semconv.CLIENT_OUTPUT_TOKENS, tokens), (semconv.BENCH_CONCURRENCY, concurrency),
+        (semconv.BENCH_PROMPT_TOKENS, prompt_tokens)))
+    return (field(1, trace_id) + field(2, span_id) + field(5, semconv.SPAN_CLIENT_REQUEST.encode())
+            + varint(6 << 3) + varint(3)  # SPAN_KIND_CLIENT
+            + varint(7 << 3 | 1) + _FIXED64.pack(t0 - int(0.3 * MS)) + varint(8 << 3 | 1)
+            + _FIXED64.pack(t0 + int((last_ms + 0.9) * MS)) + attrs)
 
 
 _STAGE_ATTRS = {stage: field(9, key_value(semconv.ATTR_CATEGORY, spec.category.value))
@@ -78,6 +103,9 @@ class Workload:
     late_registration_rate: float = 0.08
     run_every_s: float = 0.0
     """Alternate push and pull runs of this length (0: mix the modes in one run)."""
+    sweep_concurrency: tuple[int, ...] = ()
+    """With runs: each request is a sweep's, at one of these concurrency points in turn (a client span with
+    the client's measures and the point, as ``kvtrace bench sweep`` sends)."""
     seed: int = 1
 
 
@@ -88,12 +116,12 @@ class Generator:
         self.w = workload or Workload()
         self._rng = random.Random(self.w.seed)
 
-    def _instances(self, mode: str, run: int) -> dict[str, Instance]:
+    def _instances(self, mode: str, run: int) -> dict[str, Instance | ClientInstance]:
         run_id = f"{mode}-{run:03d}" if self.w.run_every_s else ""
-        return {side: Instance(role, mode, f"{'h200-a' if side == 'prefill' else 'h200-b' if side == 'decode' else 'router'}"
+        return {"client": ClientInstance(run_id), **{side: Instance(role, mode, f"{'h200-a' if side == 'prefill' else 'h200-b' if side == 'decode' else 'router'}"
                                            f":{mode}:{run}", run_id)
                 for side, role in (("router", semconv.Role.ROUTER), ("prefill", semconv.Role.PRODUCER),
-                                   ("decode", semconv.Role.CONSUMER))}
+                                   ("decode", semconv.Role.CONSUMER))}}
 
     def requests(self, n: int, start_ns: int, per_request: int = 500) -> Iterator[bytes]:
         rng, w = self._rng, self.w
@@ -220,4 +248,8 @@ class Generator:
                 + field(9, key_value(semconv.ATTR_OUTPUT_TOKENS, w.output_tokens)))
         out.append(("router", _span(trace_id, root_id, b"", Stage.PD_REQUEST, t0, t0 + int((last + 0.5) * MS), root,
                                     semconv.FailureCause.UPSTREAM_ERROR.value if failed else None)))
+        if w.sweep_concurrency and w.run_every_s:
+            out.append(("client", _client_span(trace_id, rng.getrandbits(64).to_bytes(8, "big"), t0, ttft, tpot, last,
+                                               w.output_tokens, w.sweep_concurrency[i % len(w.sweep_concurrency)],
+                                               w.median_tokens)))
         return out

@@ -23,12 +23,34 @@ def _payloads() -> list[bytes]:
     """Synthetic traffic over ~6 minutes and two runs (failures and incomplete traces included), and contract
     traces of every shape: kv_first, a failed READ, a missing completion, a late TP rank, skewed clocks."""
     workload = Workload(rate_per_s=4.0, failure_rate=0.05, incomplete_rate=0.05, late_registration_rate=0.2,
-                        run_every_s=180.0, seed=11)
+                        run_every_s=180.0, sweep_concurrency=(1, 4), seed=11)
     synthetic = list(Generator(workload).requests(1_500, int(START.timestamp() * 1e9), per_request=200))
     shapes = [build("push", "kv_first"), build("pull", fail="read"), build("push", drop={"decode:completion"}),
               build("pull", late_rank_ms=40.0), build("push", skew_ms={"prefill": 30.0, "decode": -20.0}),
               build("push", drop={"decode"})]
-    return synthetic + [request.SerializeToString() for built in shapes for request in built.requests]
+    runs = [_run_record(run_id, i) for i, run_id in enumerate(("push-000", "pull-001", "push-002"))]
+    return synthetic + [request.SerializeToString() for built in shapes for request in built.requests] + runs
+
+
+def _run_record(run_id: str, i: int) -> bytes:
+    """A sweep's ``kvtrace.run`` record of one of the synthetic runs (a trace of its own)."""
+    import json
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from kvtrace.telemetry import semconv
+
+    at = int((START + timedelta(minutes=3 * i)).timestamp() * 1e9)
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    for key, value in ((semconv.RES_SERVICE_INSTANCE_ID, "sweep"), (semconv.RES_RUN_ID, run_id)):
+        resource_spans.resource.attributes.add(key=key).value.string_value = value
+    span = resource_spans.scope_spans.add().spans.add(
+        trace_id=bytes([0xAB, i + 1]) * 8, span_id=bytes([0xCD, i + 1]) * 4, name=semconv.SPAN_RUN,
+        start_time_unix_nano=at, end_time_unix_nano=at + 10**9)
+    span.attributes.add(key=semconv.RUN_CONFIG).value.string_value = json.dumps(
+        {"mode": run_id.split("-")[0], "status": "done", "started_ns": at})
+    return request.SerializeToString()
 
 
 def _collect(store: str, wal_dir, payloads: list[bytes]) -> None:
@@ -125,6 +147,29 @@ def test_every_reader_question_has_the_same_answer(stores, question, filters):
         assert not a_runs or a_runs[0].keys() == b_runs[0].keys()
     assert a, f"{question}: nothing to compare"
     _same(a, b, question)
+
+
+def test_the_runs_questions_have_the_same_answers(stores):
+    """The sweep's questions (kvtrace compare / whatif and the dashboard's Runs page)."""
+    from kvtrace.collectors.read import runs
+
+    duck, house = stores
+    listed = _plain(runs.list_runs(duck))
+    assert len(listed) == 3
+    _same(listed, _plain(runs.list_runs(house)), "list_runs")
+    for run_id in ("push-000", "pull-001"):
+        _same(runs.run_record(duck, run_id), runs.run_record(house, run_id), f"run_record {run_id}")
+        a, b = runs.stage_table(duck, run_id), runs.stage_table(house, run_id)
+        assert len(a) > 100 and a == b, run_id
+    a, b = (_plain(runs.whatif(reader, "push-000", "pull-001")) for reader in stores)
+    assert len(a["points"]) == 2 and all(p["requests"] > 50 for p in a["points"])
+    _same(a, b, "whatif")
+    a, b = runs.compare(duck, "push-000", "pull-001"), runs.compare(house, "push-000", "pull-001")
+    _same(_plain(a["records"]), _plain(b["records"]), "compare")
+    assert a["points"] == b["points"] and len(a["points"]) == 2
+    for run_id in a["stats"]:
+        _same(_plain([vars(s) for s in a["stats"][run_id].values()]),
+              _plain([vars(s) for s in b["stats"][run_id].values()]), f"compare {run_id}")
 
 
 def test_a_request_sample_holds_the_same_tail_and_size(stores):
