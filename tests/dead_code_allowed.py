@@ -28,6 +28,7 @@ _.pre_tokenizer, _.decoder, _.chat_template
 # The published contract (docs/CONTRACT.md): names senders may use that kvtrace itself does not read
 ATTR_REMOTE_ENGINE_ID, RETRIED
 
-# pytest hooks and autouse fixtures; fields of vLLM objects the tests fake
-_reset_process_recorder, pytest_runtest_logreport, pytest_sessionfinish, tp_size
+# pytest hooks and autouse fixtures, fixtures asked for by name (request.getfixturevalue: started only for
+# the parameters that need them); fields of vLLM objects the tests fake
+_reset_process_recorder, pytest_runtest_logreport, pytest_sessionfinish, tp_size, clickhouse_cluster
 _.reqs_in_batch, _.reqs_to_send, _.push_finished_blocks, _.num_computed_tokens, _._push_registration_timeout
