@@ -21,20 +21,40 @@ TOPIC, PARTITIONS = "otlp_spans", 6
 TRACES = 3_000
 COMPARED = ("trace_id", "mode", "started_at", "ttft_ms", "compute_ms", "queue_ms", "coordination_ms", "wire_ms",
             "unattributed_ms", "complete", "missing", "error", "rendezvous_order", "prefill_instance",
-            "decode_instance", "clock_offsets", "stage_start_ns", "stage_end_ns", "stage_critical_ns", "explanation")
+            "decode_instance", "clock_offsets", "clock_bounds", "clock_suspect", "stage_start_ns", "stage_end_ns",
+            "stage_critical_ns", "explanation")
 
 
 @pytest.fixture(scope="module")
 def kafka():
     with KafkaMockCluster({TOPIC: PARTITIONS, "unkeyed": 2, "crash": PARTITIONS, "rotel": 2, "clocks": PARTITIONS,
-                           "fleet-sharded": PARTITIONS}) as cluster:
+                           "fleet-sharded": PARTITIONS, "fleet-measured": PARTITIONS}) as cluster:
         yield cluster
 
 
+SHAPE = FleetShape(routers=2, prefill=16, decode=16, skew_ms=50.0)
+
+
 @pytest.fixture(scope="module")
-def fleet_messages():
-    generator = FleetGenerator(FleetShape(routers=2, prefill=16, decode=16, skew_ms=50.0))
-    return list(generator.messages(TRACES, time.time_ns() - 600 * 10**9))
+def fleet_start():
+    return time.time_ns() - 600 * 10**9
+
+
+@pytest.fixture(scope="module")
+def fleet_messages(fleet_start):
+    return list(FleetGenerator(SHAPE).messages(TRACES, fleet_start))
+
+
+def _exchange_clocks(collector: Collector, start_ns: int) -> list[str]:
+    """Clock exchanges of every process of the fleet with ``collector``, around the messages' time: three per
+    process, 30 s apart, a 200 µs round trip; returns the processes."""
+    generator = FleetGenerator(SHAPE)  # the same skews (seeded)
+    skews = {**{router: 0 for router in generator.routers}, **generator.skew_ns}
+    for k in range(3):
+        true = start_ns + k * 30 * 10**9
+        for instance, skew in skews.items():
+            collector.clocks.add(instance, true + skew, true + 100_000, true + 120_000, true + 220_000 + skew)
+    return list(skews)
 
 
 def _fleet_collector(store: str, kafka, tmp_path, name: str, **overrides) -> Collector:
@@ -58,19 +78,26 @@ def _wait(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one-server", "two-shards"])
+@pytest.mark.parametrize("sharded, measured", [(False, False), (True, False), (False, True)],
+                         ids=["one-server", "two-shards", "measured-clocks"])
 def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_collector(
-        kafka, fleet_messages, clickhouse_server, tmp_path, request, sharded):
-    """Into one ClickHouse server, and into two shards behind Distributed tables."""
+        kafka, fleet_start, fleet_messages, clickhouse_server, tmp_path, request, sharded, measured):
+    """Into one ClickHouse server, and into two shards behind Distributed tables; with clocks inferred from span
+    order, and with every process's clock measured (by one collector of the group, and by the embedded one)."""
     if sharded:
         cluster = request.getfixturevalue("clickhouse_cluster")
         url, topic = cluster.store_url("fleet"), "fleet-sharded"
     else:
-        url, topic = clickhouse_server.store_url("fleet"), TOPIC
+        url, topic = clickhouse_server.store_url("fleet_measured" if measured else "fleet"), \
+            "fleet-measured" if measured else TOPIC
     collectors = [_fleet_collector(url, kafka, tmp_path, f"c{i}", kafka_topic=topic, kafka_group="fleet")
                   for i in range(3)]
     try:
         _wait(lambda: all(c.kafka.stats.partitions for c in collectors), 60, "the group to share the partitions")
+        if measured:
+            processes = _exchange_clocks(collectors[0], fleet_start)
+            _wait(lambda: all(c.clocks.measured(p) for c in collectors for p in processes), 30,
+                  "every collector to know every measured clock")
         assert publish(kafka.bootstrap_servers, topic, fleet_messages) == len(fleet_messages)
         reader = open_store(url)
         _wait(lambda: reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"] >= TRACES, 180,
@@ -91,6 +118,8 @@ def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_coll
     one = Collector(CollectorConfig(db_path=embedded, grpc_port=None, http_port=0, query_port=None,
                                     decision_wait_s=0.5))
     one.start()
+    if measured:  # the same exchanges, against the embedded collector's clock
+        _exchange_clocks(one, fleet_start)
     for _, value in fleet_messages:
         one.consume(SpanBatch.decode(value))
     one.shutdown()
@@ -99,8 +128,10 @@ def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_coll
     # Each trace's breakdown is computed from its own spans, except the clock offsets inferred for a process
     # without clock exchanges: those come from a window over the process's recent traces (.clocks), which a
     # shard sees a third of. Where a trace's offsets match, its breakdown matches to the ns.
+    # With every process measured, each shard places it as the embedded collector does: every trace the same.
     same_clocks = [t for t in alone if alone[t]["clock_offsets"] == fleet[t]["clock_offsets"]]
-    assert len(same_clocks) >= 0.9 * TRACES, len(same_clocks)
+    assert len(same_clocks) >= (TRACES if measured else 0.9 * TRACES), len(same_clocks)
+    assert sum(bool(row["clock_bounds"]) for row in fleet.values()) >= (0.95 * TRACES if measured else 0)
     different = {t: sorted(k for k in COMPARED if alone[t][k] != fleet[t][k]) for t in same_clocks
                  if alone[t] != fleet[t]}
     assert not different, (len(different), list(different.items())[:3])
