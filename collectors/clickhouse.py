@@ -51,6 +51,7 @@ from kvtrace.telemetry import semconv
 
 from . import schema
 from .breakdown import Breakdown, category_of
+from .clocks import WINDOW, Sample
 from .model import Origin, SpanBatch, SpanRow
 from .store import BufferedStore, Pending, SchemaMismatch, record_tables, request_table
 
@@ -304,7 +305,7 @@ def create_schema(address: ClickHouseAddress) -> None:
             known = [row[0] for row in client.query("SELECT DISTINCT cluster FROM system.clusters").result_rows]
             if address.cluster not in known:
                 raise ValueError(f"--store {address}: {shard[0]}:{shard[1]} has no cluster {address.cluster!r} in "
-                                     f"its remote_servers (it has: {', '.join(known) or 'none'})")
+                                 f"its remote_servers (it has: {', '.join(known) or 'none'})")
         found = client.query("SELECT max(version) FROM schema_version").result_rows[0][0] \
             if client.command("EXISTS TABLE schema_version") else None
         if found and found != schema.SCHEMA_VERSION:
@@ -336,7 +337,7 @@ class ClickHouseStore(BufferedStore):
         # host): a commit row is only written after its flush's rows are stored.
         self._client = self.address.client(**({"distributed_foreground_insert": 1} if self.address.cluster else {}))
         self._read_client = self.address.client(**READ_SETTINGS)
-        self._clock_client: Any = None
+        self._clock_client = self.address.client(**READ_SETTINGS)  # read from the shared-clocks thread
         # This writer's write-ahead log is this host's folder: its commits say how far that log is applied.
         self.writer = f"{socket.gethostname()}:{Path(wal_dir).resolve()}"
         self._db_lock = threading.Lock()
@@ -361,8 +362,7 @@ class ClickHouseStore(BufferedStore):
     def _close(self) -> None:
         self._client.close()
         self._read_client.close()
-        if self._clock_client is not None:
-            self._clock_client.close()
+        self._clock_client.close()
 
     def wal_position(self) -> tuple[int, int]:
         rows = self._client.query("SELECT wal_segment, wal_offset FROM commits WHERE writer = {w:String} AND "
@@ -417,12 +417,7 @@ class ClickHouseStore(BufferedStore):
             self._stage_ids.update(new_stages)
         records = record_tables(pending.samples, pending.runs, pending.health)
         if pending.samples:
-            samples, table = pending.samples, records["clock_samples"]
-            for name, values in (("measured_by", [s.measured_by for s in samples]),
-                                 ("at_ns", [s.at for s in samples]), ("offset_ns", [s.offset for s in samples]),
-                                 ("delay_ns", [s.delay for s in samples])):
-                table = table.append_column(name, pa.array(values, pa.string() if name == "measured_by" else pa.int64()))
-            records["clock_samples"] = table
+            records["clock_samples"] = _with_exact_samples(records["clock_samples"], pending.samples)
         for name, table in records.items():
             client.insert_arrow("run_versions" if name == "runs" else name, table)
         client.insert("commits", [[self.writer, self.collector_run_id, flush_id, datetime.now(timezone.utc),
@@ -453,15 +448,10 @@ class ClickHouseStore(BufferedStore):
 
     def clock_samples_since(self, recorded_after: datetime | None) -> tuple[list[Any], datetime | None]:
         """Clock samples the fleet's other collectors wrote after ``recorded_after`` (on the first call: each
-        (sender, collector)'s last window), oldest first, and where to read on from. Reads a few seconds
-        back, as a sample may be recorded after one that was read: the book skips those it has."""
-        from .clocks import WINDOW, Sample
-
+        (sender, collector)'s last window), oldest first, and where to read on from. Reads 10 s back, as a sample may be recorded after one that was read: the book skips those it has."""
         where = "measured_by != {me:String}"
         if recorded_after is not None:
             where += " AND recorded_at > {after:DateTime64(6, 'UTC')} - INTERVAL 10 SECOND"
-        if self._clock_client is None:  # its own session: it reads from another thread than the pipeline's
-            self._clock_client = self.address.client(**READ_SETTINGS)
         rows = self._clock_client.query(
             f"SELECT instance, at_ns, offset_ns, delay_ns, measured_by, recorded_at FROM clock_samples "
             f"WHERE {where} ORDER BY at_ns DESC LIMIT {WINDOW} BY instance, measured_by",
@@ -483,6 +473,15 @@ _RESOURCE_OF_ORIGIN = ((semconv.RES_SERVICE_INSTANCE_ID, "instance"), (semconv.R
                        (semconv.RES_MODE, "mode"), (semconv.RES_RUN_ID, "run_id"), (semconv.RES_HOST_NAME, "host"),
                        (semconv.RES_VLLM_VERSION, "vllm_version"), (semconv.RES_NIXL_VERSION, "nixl_version"),
                        (semconv.RES_HARDWARE, "hardware"))
+
+
+def _with_exact_samples(table: pa.Table, samples: list[Sample]) -> pa.Table:
+    """The reader's ``clock_samples`` columns and each sample as measured, for the fleet's other collectors."""
+    exact = {"measured_by": pa.array([s.measured_by for s in samples], pa.string()),
+             "at_ns": pa.array([s.at for s in samples], pa.int64()),
+             "offset_ns": pa.array([s.offset for s in samples], pa.int64()),
+             "delay_ns": pa.array([s.delay for s in samples], pa.int64())}
+    return pa.table({**{name: table[name] for name in table.column_names}, **exact})
 
 
 def _resource_attributes(origin: Origin) -> dict[str, str]:

@@ -253,7 +253,7 @@ class SharedSamples:
         except Exception as exc:  # the store is away: offsets stay as they are until it is back
             if not self._failing:
                 logger.warning("kvtrace collector: cannot read the fleet's clock samples from the store (%s); "
-                               "retrying", str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc)
+                               "retrying", (str(exc).strip() or type(exc).__name__).splitlines()[0][:200])
             self._failing = True
             return
         self._failing = False

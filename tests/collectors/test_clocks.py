@@ -40,14 +40,14 @@ def test_two_processes_are_placed_through_a_collector_that_measured_both():
     """In a fleet each collector's offsets are against its own clock: a process and its router are placed
     against each other through one collector that measured both, whichever collector decides the trace."""
     a, b = ClockBook(measured_by="a"), ClockBook(measured_by="b")
+    shared = []  # what a and b write to the shared store
     for i in range(3):
         true = BASE_NS + i * 2_000 * MS
         for book, collector_skew in ((a, 0), (b, 7 * MS)):  # b's clock is 7 ms behind a's
-            exchange(book, "router", true, skew_ns=collector_skew + 3 * MS, delay_ns=300 * US)
-        exchange(a, "p", true, skew_ns=40 * MS, delay_ns=300 * US)  # p exchanges with a only
-        exchange(b, "d", true, skew_ns=7 * MS - 20 * MS, delay_ns=300 * US)  # d with b only
+            shared.append(exchange(book, "router", true, skew_ns=collector_skew + 3 * MS, delay_ns=300 * US))
+        shared.append(exchange(a, "p", true, skew_ns=40 * MS, delay_ns=300 * US))  # p exchanges with a only
+        shared.append(exchange(b, "d", true, skew_ns=7 * MS - 20 * MS, delay_ns=300 * US))  # d with b only
     fleet = ClockBook(measured_by="c")  # a third collector, reading both from the shared store
-    shared = [s for book in (a, b) for key in book._samples for s in book._samples[key]]
     assert fleet.add_shared(shared) == len(shared) == 12
     assert fleet.add_shared(shared) == 0  # read again: already known
     at = BASE_NS + 4_000 * MS
