@@ -12,7 +12,12 @@ trace, keyed by trace id).
    per second (paced: the mock brokers keep a few MB per partition). Per collector: the spans it received (its health rows) over its own CPU time (user + system, /proc) from
    start until the store holds every trace. The embedded collector gets the same messages over OTLP/HTTP,
    100 messages per request (concatenated ExportTraceServiceRequests are one valid request), into DuckDB.
-2. End-to-end lag, on the same run: a trace's lag runs from the publish of its last message to its row's
+2. Clocks: with ``--clocks measured`` (the default, as kvtrace's engines run) every router, P and D has
+   clock exchanges with one collector of the group and, the same exchanges, with the embedded collector
+   (replayed over ``POST /v1/kvtrace/clock``: the generated processes do not exist). The other collectors
+   learn them from the shared store, so every trace is placed alike and should equal the embedded breakdown
+   to the ns. With ``--clocks inferred`` offsets come from span order over each shard's own traces.
+3. End-to-end lag, on the same run: a trace's lag runs from the publish of its last message to its row's
    decision time in the store (``requests.updated_at``). It includes the collector's decision wait
    (``--decision-wait``).
 
@@ -22,6 +27,7 @@ Prints medians and percentiles; absolute numbers on a shared 2-core machine are 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -70,9 +76,9 @@ def _wait(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.25)
 
 
-def _count(reader) -> int:
+def _count(reader, table: str = "requests") -> int:
     try:
-        return reader.sql("SELECT count() AS n FROM requests").to_pylist()[0]["n"]
+        return reader.sql(f"SELECT count() AS n FROM {table}").to_pylist()[0]["n"]
     except Exception:  # the database is not made yet
         return 0
 
@@ -97,6 +103,8 @@ def paced_publish(brokers: str, topic: str, messages: list[tuple[bytes, bytes]],
             due = started + len(last_sent) / rate
             while time.monotonic() < due:
                 producer.poll(0.001)
+            if len(last_sent) % 1000 == 0:
+                _progress("published", len(last_sent), -1, started)
         while True:
             try:
                 producer.produce(topic, key=key, value=value)
@@ -104,27 +112,48 @@ def paced_publish(brokers: str, topic: str, messages: list[tuple[bytes, bytes]],
             except BufferError:
                 producer.poll(0.01)
         last_sent[trace] = time.time()
-        if len(last_sent) % 1000 == 0:
-            _progress("published", len(last_sent), -1, started)
     producer.flush(60)
     print(file=sys.stderr)
     return last_sent
 
 
+Exchange = tuple[str, int, int, int, int]
+
+
+def replay_clock_exchanges(port: int, exchanges: list[Exchange]) -> None:
+    """Each exchange's (t1, t2, t3, t4) handed to the collector as a sender hands its previous exchange."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        for instance, *times in exchanges:
+            connection.request("POST", "/v1/kvtrace/clock", json.dumps({"instance": instance, "previous": times}),
+                               {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"clock exchange refused: HTTP {response.status}")
+    finally:
+        connection.close()
+
+
 def fleet_run(kafka: KafkaMockCluster, url: str, messages: list[tuple[bytes, bytes]], traces: int, collectors: int,
-              decision_wait: float, rate: float, tmp: Path) -> dict:
+              decision_wait: float, rate: float, tmp: Path, exchanges: list[Exchange]) -> dict:
     """The group formed, then the load published at ``rate``: spans per CPU-second of each collector, from its
     CPU time once it owns its partitions (start-up and imports left out) until the store holds every trace;
     and each trace's lag from its last message to its decision."""
     reader = open_store(url)
     logs = [tmp / f"collector-{i}.log" for i in range(collectors)]
+    clock_port = free_port()  # collector 0 takes the clock exchanges; the others read them from the store
     processes = [_collector(["--store", url, "--kafka", kafka.bootstrap_servers, "--topic", "fleet", "--group",
-                             "fleet", "--grpc-port", "-1", "--http-port", "-1", "--decision-wait",
-                             str(decision_wait), "--wal-dir", str(tmp / f"wal-{i}")], log)
+                             "fleet", "--grpc-port", "-1", "--http-port", str(clock_port if i == 0 else -1),
+                             "--decision-wait", str(decision_wait), "--wal-dir", str(tmp / f"wal-{i}")], log)
                  for i, log in enumerate(logs)]
     try:
         _wait(lambda: all("assigned partitions" in log.read_text() for log in logs), 120, "the group to form")
-        time.sleep(8)  # the first assignment is often followed by a second, as the last member joins
+        if exchanges:
+            replay_clock_exchanges(clock_port, exchanges)
+            _wait(lambda: _count(reader, "clock_samples") >= len(exchanges), 60, "the clock samples in the store")
+        time.sleep(8)  # the first assignment is often followed by a second, as the last member joins; and the
+        # other collectors read the clock samples back (every second)
         baseline = [_cpu_seconds(p.pid) for p in processes]
         started = time.monotonic()
         last_sent = paced_publish(kafka.bootstrap_servers, "fleet", messages, rate)
@@ -152,13 +181,15 @@ def fleet_run(kafka: KafkaMockCluster, url: str, messages: list[tuple[bytes, byt
             "per_cpu_s": [s / c if c else 0.0 for s, c in zip(spans, cpu)]}
 
 
-def embedded_run(messages: list[tuple[bytes, bytes]], traces: int, decision_wait: float, tmp: Path) -> dict:
+def embedded_run(messages: list[tuple[bytes, bytes]], traces: int, decision_wait: float, tmp: Path,
+                 exchanges: list[Exchange]) -> dict:
     """The same messages over OTLP/HTTP, 100 per request, into one collector's DuckDB file."""
     db, port = str(tmp / "embedded.duckdb"), free_port()
     process = _collector(["--db", db, "--grpc-port", "-1", "--http-port", str(port), "--decision-wait",
                           str(decision_wait)], tmp / "embedded.log")
     url = f"http://127.0.0.1:{port}/v1/traces"
     _wait(lambda: Path(f"{db}.kvtrace-collector.json").exists(), 60, "the embedded collector")
+    replay_clock_exchanges(port, exchanges)
     values = [v for _, v in messages]
     before = _cpu_seconds(process.pid)
     started = time.monotonic()
@@ -209,21 +240,28 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--decision-wait", type=float, default=2.0)
     parser.add_argument("--rate", type=float, default=1_000.0, help="traces published per second")
+    parser.add_argument("--clocks", choices=("measured", "inferred"), default="measured",
+                        help="every process's clock exchanges replayed to collector 0 and the embedded one "
+                             "(measured), or none (inferred from span order)")
     args = parser.parse_args()
     shape = FleetShape(routers=args.routers, prefill=args.prefill, decode=args.decode)
     print(f"generating {args.traces:,} traces of a {args.routers}R x {args.prefill}P x {args.decode}D fleet ...",
           file=sys.stderr)
-    messages = list(FleetGenerator(shape).messages(args.traces, time.time_ns() - 3_600 * 10**9))
+    start_ns = time.time_ns() - 3_600 * 10**9
+    messages = list(FleetGenerator(shape).messages(args.traces, start_ns))
+    span_s = args.traces / shape.rate_per_s + 60  # the requests' arrivals, and the last ones' spans
+    exchanges = list(FleetGenerator(shape).clock_exchanges(start_ns, span_s)) if args.clocks == "measured" else []
     tmp = Path(tempfile.mkdtemp(prefix="kvtrace-fleet-bench-"))
     with KafkaMockCluster({"fleet": PARTITIONS}) as kafka, ClickHouseServer(str(tmp / "clickhouse")) as clickhouse:
         fleet = fleet_run(kafka, clickhouse.store_url("fleet_bench"), messages, args.traces, args.collectors,
-                          args.decision_wait, args.rate, tmp)
-    embedded = embedded_run(messages, args.traces, args.decision_wait, tmp)
+                          args.decision_wait, args.rate, tmp, exchanges)
+    embedded = embedded_run(messages, args.traces, args.decision_wait, tmp, exchanges)
     lags = fleet["lags"]
     agree = agreement(fleet["rows"], embedded["rows"])
     spans = sum(fleet["spans"])
     print(f"\nload: {args.traces:,} traces, {spans:,} spans, {len(messages):,} messages; "
-          f"{args.collectors} collectors on a {PARTITIONS}-partition topic")
+          f"{args.collectors} collectors on a {PARTITIONS}-partition topic; clocks {args.clocks}"
+          + (f" ({len(exchanges):,} exchanges replayed)" if exchanges else ""))
     print(f"fleet (Kafka -> ClickHouse), published at {args.rate:g} traces/s: all stored in {fleet['elapsed_s']:.1f} s")
     for i, (n, cpu, rate) in enumerate(zip(fleet["spans"], fleet["cpu_s"], fleet["per_cpu_s"])):
         print(f"  collector {i}: {n:,} spans, {cpu:.1f} CPU-s: {rate:,.0f} spans per CPU-second")
@@ -234,7 +272,7 @@ def main() -> int:
     print(f"decisions by the fleet: {fleet['decisions']:,} for {args.traces:,} traces ({fleet['late']:,} decided again "
           f"after late spans): {fleet['decisions'] - fleet['late'] - args.traces:,} traces split across collectors")
     print(f"against the embedded collector: {agree['in_both']:,} of {agree['traces']:,} traces in both stores; "
-          f"{agree['same_clocks']:,} inferred the same clock offsets, and {agree['exact']:,} of those have the same "
+          f"{agree['same_clocks']:,} have the same clock offsets, and {agree['exact']:,} of those have the same "
           f"breakdown to the ns; offsets differ by at most {agree['max_offset_ms']:.3f} ms")
     if lags:
         q = statistics.quantiles(lags, n=100)

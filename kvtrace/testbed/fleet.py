@@ -74,6 +74,18 @@ class FleetGenerator:
             yield from late_messages
 
 
+    def clock_exchanges(self, start_ns: int, span_s: float, every_s: float = 30.0) -> Iterator[tuple[str, int, int, int, int]]:
+        """The clock exchanges every router, P and D would have had with one collector from ``start_ns`` for
+        ``span_s`` seconds, one each ``every_s``: ``(instance, t1, t2, t3, t4)`` with a 200 µs round trip, the
+        instance's clock off the collector's (and its routers') by its skew. The same fleet (seed) gives the
+        same exchanges, so two collectors fed them place every process alike."""
+        skews = {**{router: 0 for router in self.routers}, **self.skew_ns}
+        for k in range(int(span_s // every_s) + 1):
+            true = start_ns + int(k * every_s * 1e9)
+            for instance, skew in skews.items():
+                yield instance, true + skew, true + 100_000, true + 120_000, true + 220_000 + skew
+
+
 _ROLES = {"router": semconv.Role.ROUTER, "prefill": semconv.Role.PRODUCER, "decode": semconv.Role.CONSUMER}
 
 

@@ -47,14 +47,11 @@ def fleet_messages(fleet_start):
 
 def _exchange_clocks(collector: Collector, start_ns: int) -> list[str]:
     """Clock exchanges of every process of the fleet with ``collector``, around the messages' time: three per
-    process, 30 s apart, a 200 µs round trip; returns the processes."""
-    generator = FleetGenerator(SHAPE)  # the same skews (seeded)
-    skews = {**{router: 0 for router in generator.routers}, **generator.skew_ns}
-    for k in range(3):
-        true = start_ns + k * 30 * 10**9
-        for instance, skew in skews.items():
-            collector.clocks.add(instance, true + skew, true + 100_000, true + 120_000, true + 220_000 + skew)
-    return list(skews)
+    process, 30 s apart; returns the processes."""
+    exchanges = list(FleetGenerator(SHAPE).clock_exchanges(start_ns, 60.0))  # the same skews (seeded)
+    for instance, t1, t2, t3, t4 in exchanges:
+        collector.clocks.add(instance, t1, t2, t3, t4)
+    return sorted({instance for instance, *_ in exchanges})
 
 
 def _fleet_collector(store: str, kafka, tmp_path, name: str, **overrides) -> Collector:
