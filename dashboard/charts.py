@@ -270,6 +270,12 @@ def tpot_bars(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("mode"), y=_axis("time per output token (ms)"), barmode="group")
 
 
+SAMPLE_SCATTER = "scatter"
+"""Sampled requests are drawn as SVG, not WebGL (``scattergl``): a sample holds at most ~2,050 points
+(the reader's ``requests_sample``), which SVG draws before a WebGL context is even up. The Slow requests
+page's first chart came 0.15–0.2 s sooner in Chromium (bench/dashboard_scale.py's store of 100k requests)."""
+
+
 def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure:
     points = [r for r in sample if r.get("tpot_ms")]
     if not points:
@@ -277,7 +283,7 @@ def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure:
     data = []
     for mode in sorted({r["mode"] for r in points}):
         rows = [r for r in points if r["mode"] == mode]
-        data.append({"type": "scattergl", "mode": "markers", "name": mode, "x": [r["engine_loop_ms"] for r in rows],
+        data.append({"type": SAMPLE_SCATTER, "mode": "markers", "name": mode, "x": [r["engine_loop_ms"] for r in rows],
                      "y": [r["tpot_ms"] for r in rows], "marker": {"color": mode_color(mode), "size": 6, "opacity": 0.6},
                      "hovertemplate": f"{mode}: connector %{{x:.3f}} ms on the loop, TPOT %{{y:.2f}} ms<extra></extra>"})
     return _figure(data, x=_axis("connector time on D's engine loop per request (ms)"), y=_axis("TPOT (ms)"))
@@ -297,7 +303,7 @@ def slow_scatter(sample: Sequence[dict]) -> go.Figure:
                 continue
             marker = ({"color": mode_color(mode), "size": 9, "symbol": "diamond", "line": {"color": "#222", "width": 1}}
                       if top else {"color": mode_color(mode), "size": 6, "opacity": 0.55})
-            data.append({"type": "scattergl", "mode": "markers", "name": f"{mode} slowest" if top else f"{mode} (sample)",
+            data.append({"type": SAMPLE_SCATTER, "mode": "markers", "name": f"{mode} slowest" if top else f"{mode} (sample)",
                          "x": [r["started_at"] for r in points], "y": [r["ttft_ms"] for r in points], "marker": marker,
                          "customdata": [[r["trace_id"]] for r in points],
                          "hovertemplate": "%{x}<br>TTFT %{y:.1f} ms<br>trace %{customdata[0]}<extra></extra>"})

@@ -10,6 +10,7 @@ refresh interval, and the browser must reach nothing but 127.0.0.1. Screenshots 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,3 +223,21 @@ def test_the_overviews_own_path_opens_the_overview(live, page):
     page.locator("[data-testid='stMetric']").filter(has_text="TTFT p50").wait_for(timeout=60_000)
     assert page.get_by_text("Page not found").count() == 0
     assert page.locator("[data-testid='stException']").count() == 0
+
+
+def test_a_box_dragged_on_the_slow_requests_chart_compares_the_selection(live, page):
+    """The Slow page's box selection, as a user drags it: the selected requests come back compared."""
+    page.goto(f"{live['ui']}/slow")
+    plot = page.locator(".nsewdrag").first  # Plotly's drag layer over the plot area
+    plot.wait_for(timeout=60_000)
+    page.wait_for_timeout(500)
+    box = plot.bounding_box()
+    page.mouse.move(box["x"] + 2, box["y"] + 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] - 2, box["y"] + box["height"] - 2, steps=12)
+    page.mouse.up()
+    heading = page.get_by_text(re.compile(r"^[\d,]+ selected requests against the rest$"))
+    heading.wait_for(timeout=30_000)
+    assert int(heading.inner_text().split()[0].replace(",", "")) > 0
+    assert page.locator("[data-testid='stException']").count() == 0
+    assert not page.outside, page.outside
