@@ -5,7 +5,9 @@ The same load as bench/collector_ingest.py (contract-shaped traces, ~500 spans p
 request) is pushed through the collector's own parts in order, in this process and on one
 thread, with the store's writer thread off so that each stage's CPU time is its own:
 decode and check (native or Python) → write-ahead log → store buffer → assembler →
-decision + attribution + metrics → store flush (Arrow → DuckDB, one transaction per
+decision + attribution + metrics → (with ``--forward``) the breakdown spans of the decided traces, encoded and
+queued for an upstream that is never called (the tee's queueing of each request as received is its own line)
+→ store flush (Arrow → DuckDB, one transaction per
 65,536 spans, the writer thread's size limit) → DuckDB's checkpoints (the ones it makes on its own as
 its WAL grows, and one at the end, as a clean stop makes: what is still in the WAL is work deferred, not
 saved). A warm-up of other traces goes first (first calls, lazy imports: pyarrow's first conversion alone
@@ -36,6 +38,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", type=int, default=15_000, help="traces of 14 spans (default 15000)")
     parser.add_argument("--batch", type=int, default=500, help="spans per export request")
+    parser.add_argument("--forward", action="store_true",
+                        help="forwarding on (tee and breakdown spans), as collector_ingest.py --forward runs it")
     args = parser.parse_args()
     load = make_load(args.traces, args.batch)
     spans = args.traces * len(STAGES)
@@ -47,8 +51,20 @@ def main() -> int:
         return now
 
     with tempfile.TemporaryDirectory() as tmp:
+        # A forwarder whose upstream's thread never starts: what it queues is encoded, never sent.
         collector = Collector(CollectorConfig(db_path=os.path.join(tmp, "stages.duckdb"), grpc_port=0,
-                                              http_port=None, decision_wait_s=0.0))
+                                              http_port=None, decision_wait_s=0.0,
+                                              forward=["grpc://127.0.0.1:9"] if args.forward else []))
+        forwarder = collector.forwarder
+        forwarding = [0.0]  # CPU seconds inside the forwarder's consume (called by the decisions)
+        if forwarder is not None:
+            consume = forwarder.consume
+
+            def timed_consume(*args_) -> None:
+                started = time.process_time()
+                consume(*args_)
+                forwarding[0] += time.process_time() - started
+            forwarder.consume = timed_consume
         gc.set_threshold(50_000, 20, 20)  # as Collector.start sets it
         flush_every = collector.store._flush_rows
         warm_up = make_load(200, args.batch, seed=2)
@@ -64,9 +80,16 @@ def main() -> int:
             t = charge("write-ahead log", t)
             collector.store.add_spans(batch, position)
             t = charge("store buffer", t)
+            if forwarder is not None:
+                forwarder.consume_batch(payload, len(batch.rows))
+                t = charge("tee (queued as received)", t)
             collector.assembler.add(batch.rows)
             t = charge("assembler", t)
+            forwarding[0] = 0.0
             collector.assembler.poll(flush_all=True)
+            if forwarder is not None:
+                costs["breakdown spans (encode, queue)"] = costs.get("breakdown spans (encode, queue)", 0.0) + forwarding[0]
+                t += forwarding[0]  # charged on its own line, not to the decisions
             t = charge("decide + attribute + metrics", t)
             buffered += len(batch.rows)
             if buffered >= flush_every:

@@ -16,6 +16,13 @@
  * span_keys / resource_keys: dict of wanted attribute key (bytes) -> key (str).
  * origin_of(resource_attributes: dict, resource: bytes) -> Origin, whose `stages` dict maps a
  * span name to its stage. Malformed protobuf raises ValueError.
+ *
+ *   attributes(keys, values) -> bytes
+ *
+ * The other way, for the collector's own spans: `Span.attributes` entries (field 9) for each key
+ * whose value is not None, in order: a str, bool, int (int64, two's complement) or float (double).
+ * The native half of kvtrace.collectors.wire.attributes (the reference; the tests hold the two to
+ * the same bytes).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -545,8 +552,100 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ encoding */
+
+static int put_varint(Buffer *b, uint64_t value) {
+    uint8_t out[10];
+    int n = 0;
+    while (value > 0x7F) {
+        out[n++] = (uint8_t)(value & 0x7F) | 0x80;
+        value >>= 7;
+    }
+    out[n++] = (uint8_t)value;
+    return buffer_put(b, out, n);
+}
+
+static int put_byte(Buffer *b, uint8_t byte) { return buffer_put(b, &byte, 1); }
+
+static int varint_size(uint64_t value) {
+    int n = 1;
+    while (value > 0x7F) {
+        value >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* One KeyValue entry of Span.attributes: 0x4a len { 0x0a len key, 0x12 len AnyValue }. */
+static int put_attribute(Buffer *b, PyObject *key, PyObject *value) {
+    Py_ssize_t key_len, text_len = 0;
+    const char *key_utf8 = PyUnicode_AsUTF8AndSize(key, &key_len), *text = NULL;
+    if (key_utf8 == NULL) return -1;
+    uint8_t scalar[11]; /* a tag and a 10-byte varint at most */
+    Py_ssize_t any_len; /* the AnyValue's length */
+    if (PyBool_Check(value)) {
+        scalar[0] = 0x10; /* bool_value */
+        scalar[1] = value == Py_True;
+        any_len = 2;
+    } else if (PyLong_Check(value)) {
+        uint64_t v = PyLong_AsUnsignedLongLongMask(value);
+        if (v == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        any_len = 1 + varint_size(v);
+        scalar[0] = 0x18; /* int_value */
+        for (Py_ssize_t i = 1; i < any_len; i++, v >>= 7) scalar[i] = (uint8_t)(v & 0x7F) | (i + 1 < any_len ? 0x80 : 0);
+    } else if (PyFloat_Check(value)) {
+        double d = PyFloat_AS_DOUBLE(value);
+        scalar[0] = 0x21; /* double_value, little-endian fixed64 */
+        uint64_t bits;
+        memcpy(&bits, &d, 8);
+        for (int i = 0; i < 8; i++) scalar[1 + i] = (uint8_t)(bits >> (8 * i));
+        any_len = 9;
+    } else if (PyUnicode_Check(value)) {
+        text = PyUnicode_AsUTF8AndSize(value, &text_len);
+        if (text == NULL) return -1;
+        any_len = 1 + varint_size((uint64_t)text_len) + text_len; /* string_value */
+    } else {
+        PyErr_Format(PyExc_TypeError, "attribute %R: a str, bool, int or float, not %.100s", key,
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    Py_ssize_t body = 1 + varint_size((uint64_t)key_len) + key_len + 1 + varint_size((uint64_t)any_len) + any_len;
+    if (put_byte(b, 0x4a) < 0 || put_varint(b, (uint64_t)body) < 0 ||         /* Span.attributes */
+        put_byte(b, 0x0a) < 0 || put_varint(b, (uint64_t)key_len) < 0 ||      /* KeyValue.key */
+        buffer_put(b, key_utf8, key_len) < 0 ||
+        put_byte(b, 0x12) < 0 || put_varint(b, (uint64_t)any_len) < 0)        /* KeyValue.value */
+        return -1;
+    if (text == NULL) return buffer_put(b, scalar, any_len);
+    if (put_byte(b, 0x0a) < 0 || put_varint(b, (uint64_t)text_len) < 0) return -1;
+    return buffer_put(b, text, text_len);
+}
+
+static PyObject *attributes(PyObject *self, PyObject *args) {
+    PyObject *keys, *values;
+    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &keys, &values)) return NULL;
+    PyObject *seq = PySequence_Fast(values, "values: a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "%zd keys, %zd values", n, PySequence_Fast_GET_SIZE(seq));
+    }
+    Buffer b = {NULL, 0, 0};
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PySequence_Fast_GET_ITEM(seq, i);
+        if (value != Py_None && put_attribute(&b, PyTuple_GET_ITEM(keys, i), value) < 0) goto done;
+    }
+    result = PyBytes_FromStringAndSize(b.data ? b.data : "", b.len);
+done:
+    PyMem_Free(b.data);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Decode an OTLP ExportTraceServiceRequest: (rows, origins, columns)."},
+    {"attributes", attributes, METH_VARARGS, "Span.attributes entries for the keys whose value is not None."},
     {NULL, NULL, 0, NULL},
 };
 

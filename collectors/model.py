@@ -21,7 +21,6 @@ attribute, or its name.
 from __future__ import annotations
 
 import array
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,13 +34,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from kvtrace.telemetry import semconv
 
 from .wire import field
+from .wire import native as _otlp  # None without a C compiler (or with KVTRACE_PURE_PYTHON_DECODER): decode_python
 
-try:
-    from . import _otlp
-except ImportError:  # installed without a C compiler: decode_python does the work
-    _otlp = None
-if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):  # to compare the two, or to rule the native one out
-    _otlp = None
 DECODER = "native" if _otlp is not None else "python"
 """Which decoder this process uses (the collector warns at start when it is the Python one)."""
 

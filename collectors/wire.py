@@ -2,9 +2,22 @@
 and OTLP ``KeyValue`` entries — for rebuilding an export request from received spans (:mod:`.model`),
 the collector's breakdown span (:mod:`.breakdown_span`) and the synthetic load (``kvtrace.testbed``).
 Hand-written because these run per span or per trace, where building messages would cost far more.
+:func:`attributes`, which encodes the breakdown span's ~30 attributes for every forwarded trace, is
+native (``_otlp.c``) where the extension is built; :func:`attributes_python` is its reference.
 """
 
 from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+
+try:
+    from . import _otlp as native
+except ImportError:  # installed without a C compiler: the Python halves below (and model.decode_python) work alone
+    native = None
+if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):  # to compare the two, or to rule the native module out
+    native = None
 
 _BYTE = [bytes([value]) for value in range(0x80)]
 
@@ -35,3 +48,40 @@ def key_value(key: str, value: str | int | bool) -> bytes:
     else:
         any_value = field(1, value.encode())
     return field(1, key.encode()) + field(2, any_value)
+
+
+_DOUBLE = struct.Struct("<d")
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+_KEY_FIELDS: dict[str, bytes] = {}
+
+
+def _attribute(key: str, value: str | bool | int | float) -> bytes:
+    """One ``Span.attributes`` entry (field 9): the key and an ``AnyValue`` of the value's type."""
+    if isinstance(value, bool):
+        any_value = b"\x10\x01" if value else b"\x10\x00"
+    elif isinstance(value, int):
+        any_value = b"\x18" + varint(value & _MASK64)  # int64, two's complement
+    elif isinstance(value, float):
+        any_value = b"\x21" + _DOUBLE.pack(value)
+    elif isinstance(value, str):
+        any_value = field(1, value.encode())
+    else:
+        raise TypeError(f"attribute {key!r}: a str, bool, int or float, not {type(value).__name__}")
+    key_field = _KEY_FIELDS.get(key)
+    if key_field is None:
+        key_field = _KEY_FIELDS[key] = field(1, key.encode())
+    body = key_field + b"\x12" + varint(len(any_value)) + any_value  # KeyValue.key, KeyValue.value
+    return b"\x4a" + varint(len(body)) + body
+
+
+def attributes_python(keys: tuple[str, ...], values: Sequence) -> bytes:
+    """``Span.attributes`` entries for each key whose value is not None, in order (the reference
+    for ``_otlp.attributes``, which the collector uses where it is built)."""
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys, {len(values)} values")
+    return b"".join(_attribute(key, value) for key, value in zip(keys, values) if value is not None)
+
+
+attributes = native.attributes if native is not None else attributes_python

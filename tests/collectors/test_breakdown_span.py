@@ -4,6 +4,9 @@ segments, and what happens when late spans decide a trace again."""
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from kvtrace.collectors import breakdown_span, wire
 from kvtrace.collectors.attribution import Attributor
 from kvtrace.collectors.breakdown_span import BreakdownSpans, breakdown_span_id
 from kvtrace.collectors.config import CollectorConfig, ForwardPolicy
@@ -118,6 +121,46 @@ def test_revisions_have_distinct_ids_and_name_the_one_they_supersede():
     assert attributes(two)["kvtrace.breakdown.supersedes"] == one.span_id.hex()
     assert attributes(two)["kvtrace.breakdown.revision"] == 2
     assert all(span.span_id != one.span_id for span in rows)
+
+
+needs_native = pytest.mark.skipif(wire.native is None, reason="native module not built")
+
+
+@needs_native
+def test_native_attributes_are_the_reference_bytes():
+    keys = ("s", "empty", "unicode", "t", "f", "zero", "big", "negative", "int64 min", "wrapped", "x", "nan", "gone")
+    values = ["a value", "", "µs → ✓", True, False, 0, 2**63 - 1, -1, -2**63, 2**64 + 5, -0.25, float("nan"), None]
+    encoded = wire.native.attributes(keys, values)
+    assert encoded == wire.attributes_python(keys, values)
+    decoded = {kv.key: kv.value for kv in Span.FromString(encoded).attributes}
+    assert "gone" not in decoded and len(decoded) == len(keys) - 1  # None: left out
+    assert (decoded["s"].string_value, decoded["empty"].string_value, decoded["unicode"].string_value) == \
+        ("a value", "", "µs → ✓")
+    assert (decoded["t"].bool_value, decoded["f"].bool_value, decoded["f"].WhichOneof("value")) == (True, False, "bool_value")
+    assert [decoded[k].int_value for k in ("zero", "big", "negative", "int64 min", "wrapped")] == [0, 2**63 - 1, -1, -2**63, 5]
+    assert decoded["x"].double_value == -0.25 and decoded["nan"].double_value != decoded["nan"].double_value
+    long_key, long_text = "k" * 300, "v" * 20_000  # lengths of several varint bytes
+    assert wire.native.attributes((long_key,), [long_text]) == wire.attributes_python((long_key,), [long_text])
+    for encode in (wire.native.attributes, wire.attributes_python):
+        with pytest.raises(TypeError, match="'k'"):
+            encode(("k",), [[1]])
+        with pytest.raises(ValueError, match="2 keys, 1 values"):
+            encode(("a", "b"), [1])
+
+
+@needs_native
+@pytest.mark.parametrize("shape", ["registration_first", "kv_first", "pull", "failed", "skewed"])
+def test_the_breakdown_span_is_the_same_bytes_native_or_python(shape, monkeypatch):
+    built = {"registration_first": lambda: build("push", "registration_first"),
+             "kv_first": lambda: build("push", "kv_first"), "pull": lambda: build("pull"),
+             "failed": lambda: build("pull", fail="read", drop={"decode:completion"}),
+             "skewed": lambda: build("push", skew_ms={"prefill": -4, "decode": 6})}[shape]()
+    rows = decoded(built)
+    breakdown = Attributor().attribute(built.trace_id, rows)
+    encoder = BreakdownSpans(segments=True)
+    native = [encoder.encode(rows[0].trace_id, breakdown, revision) for revision in (1, 2)]
+    monkeypatch.setattr(breakdown_span, "attributes", wire.attributes_python)
+    assert [encoder.encode(rows[0].trace_id, breakdown, revision) for revision in (1, 2)] == native
 
 
 @pytest.fixture
