@@ -4,14 +4,14 @@
 The same load as bench/collector_ingest.py (contract-shaped traces, ~500 spans per export
 request) is pushed through the collector's own parts in order, in this process and on one
 thread, with the store's writer thread off so that each stage's CPU time is its own:
-decode and check (native or Python) → write-ahead log → store buffer → assembler →
-decision + attribution + metrics → (with ``--forward``) the breakdown spans of the decided traces, encoded and
-queued for an upstream that is never called (the tee's queueing of each request as received is its own line)
-→ store flush (Arrow → DuckDB, one transaction per
-65,536 spans, the writer thread's size limit) → DuckDB's checkpoints (the ones it makes on its own as
-its WAL grows, and one at the end, as a clean stop makes: what is still in the WAL is work deferred, not
-saved). A warm-up of other traces goes first (first calls, lazy imports: pyarrow's first conversion alone
-costs ~0.2 s). No gRPC: bench/collector_ingest.py measures the whole process.
+decode and check (native or Python) → write-ahead log → store buffer → (with ``--forward``) the
+tee queueing each request as received → assembler → decision + attribution + metrics → (with
+``--forward``) the decided traces' breakdown spans, encoded and queued for an upstream that is
+never called → store flush (Arrow → DuckDB, one transaction per 65,536 spans, the writer
+thread's size limit) → DuckDB's checkpoints (the ones it makes on its own as its WAL grows, and
+one at the end, as a clean stop makes: what is still in the WAL is work deferred, not saved).
+A warm-up of other traces goes first (first calls, lazy imports: pyarrow's first conversion
+alone costs ~0.2 s). No gRPC: bench/collector_ingest.py measures the whole process.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def main() -> int:
     total = sum(costs.values())
     print(f"{spans:,} spans ({stored:,} stored, {attributed:,} traces attributed), one thread, CPU time per span:")
     for stage, seconds in costs.items():
-        print(f"  {stage:<30}{seconds / spans * 1e6:>7.2f} µs  {seconds / total:>6.1%}")
-    print(f"  {'total':<30}{total / spans * 1e6:>7.2f} µs  -> {spans / total:,.0f} spans per CPU-second")
+        print(f"  {stage:<33}{seconds / spans * 1e6:>7.2f} µs  {seconds / total:>6.1%}")
+    print(f"  {'total':<33}{total / spans * 1e6:>7.2f} µs  -> {spans / total:,.0f} spans per CPU-second")
     return 0
 
 
