@@ -32,6 +32,7 @@
 #define MIN_TIME_NS 946684800000000000ULL /* 2000-01-01 */
 #define MAX_KEYS 32
 #define ROW_FIELDS 12 /* model.SpanRow */
+#define NAME_CACHE 32 /* distinct span names remembered per request */
 
 enum { WT_VARINT = 0, WT_I64 = 1, WT_LEN = 2, WT_SGROUP = 3, WT_EGROUP = 4, WT_I32 = 5 };
 
@@ -267,6 +268,13 @@ typedef struct {
     Buffer col[N_BUFFERS];
     PyObject *bad_span; /* the bytes of the first span that failed the checks */
     PyObject *empty;    /* b"" */
+    /* Spans of one trace usually follow each other and a request holds a few dozen span names:
+     * the previous span's trace id and the names seen are handed out again instead of new
+     * objects (one allocation less each, and their hashes, cached in the object, computed once
+     * for the assembler's and the stage table's lookups). */
+    PyObject *last_trace_id;
+    PyObject *name_cache[NAME_CACHE];
+    int name_count;
 } Decoder;
 
 static const uint8_t ZERO_ID[16] = {0};
@@ -297,6 +305,38 @@ static int each_message(Reader r, uint32_t wanted, MessageFn fn, Sender *s) {
         }
     }
     return 0;
+}
+
+/* The trace id as bytes: the previous span's object when it is the same id (a new reference). */
+static PyObject *trace_id_object(Decoder *d, const uint8_t *id) {
+    if (d->last_trace_id != NULL && memcmp(PyBytes_AS_STRING(d->last_trace_id), id, 16) == 0) {
+        Py_INCREF(d->last_trace_id);
+        return d->last_trace_id;
+    }
+    PyObject *made = PyBytes_FromStringAndSize((const char *)id, 16);
+    if (made == NULL) return NULL;
+    Py_XSETREF(d->last_trace_id, made);
+    Py_INCREF(made);
+    return made;
+}
+
+/* The span name as str: one object per distinct name in the request (a new reference). */
+static PyObject *name_object(Decoder *d, Reader name) {
+    Py_ssize_t len = name.end - name.p;
+    for (int i = 0; i < d->name_count; i++) {
+        Py_ssize_t cached_len;
+        const char *cached = PyUnicode_AsUTF8AndSize(d->name_cache[i], &cached_len);
+        if (cached != NULL && cached_len == len && memcmp(cached, name.p, len) == 0) {
+            Py_INCREF(d->name_cache[i]);
+            return d->name_cache[i];
+        }
+    }
+    PyObject *made = PyUnicode_DecodeUTF8((const char *)name.p, len, NULL);
+    if (made != NULL && d->name_count < NAME_CACHE) {
+        Py_INCREF(made);
+        d->name_cache[d->name_count++] = made;
+    }
+    return made;
 }
 
 /* One Span. 0: decoded; 1: it failed the checks (d->bad_span set); -1: error. */
@@ -366,7 +406,7 @@ static int span(Sender *s, Reader r) {
 
     PyObject *row = d->row_type->tp_alloc(d->row_type, ROW_FIELDS);
     if (row == NULL) goto error;
-    PyObject *name_str = PyUnicode_DecodeUTF8((const char *)name.p, name.end - name.p, NULL);
+    PyObject *name_str = name_object(d, name);
     if (name_str == NULL) {
         Py_DECREF(row);
         goto error;
@@ -384,7 +424,7 @@ static int span(Sender *s, Reader r) {
     }
     Py_INCREF(stage);
     PyObject *items[ROW_FIELDS] = {
-        PyBytes_FromStringAndSize((const char *)trace_id.p, 16),
+        trace_id_object(d, trace_id.p),
         PyBytes_FromStringAndSize((const char *)span_id.p, 8),
         parent_len ? PyBytes_FromStringAndSize((const char *)parent.p, 8) : (Py_INCREF(d->empty), d->empty),
         name_str,
@@ -548,6 +588,8 @@ done:
     Py_XDECREF(d.stages);
     Py_XDECREF(d.empty);
     Py_XDECREF(d.bad_span);
+    Py_XDECREF(d.last_trace_id);
+    for (int i = 0; i < d.name_count; i++) Py_DECREF(d.name_cache[i]);
     PyBuffer_Release(&view);
     return result;
 }

@@ -47,6 +47,7 @@ class CollectorMetrics:
         r.register(self._ttft)
         r.register(self._parts)
         self._counts = {"spans_received": 0, "requests_rejected": 0, "traces_incomplete": 0}
+        self._trace_counters: dict[tuple[str, bool], Any] = {}  # (mode, complete) -> its child of _traces
 
     def watch(self, collector: Any) -> None:
         """Expose the forwarders' and assembler's own counters at scrape time."""
@@ -68,7 +69,11 @@ class CollectorMetrics:
         self._counts["requests_rejected"] += 1
 
     def trace(self, breakdown: Breakdown, late: bool) -> None:
-        self._traces.labels(breakdown.mode, str(breakdown.complete).lower()).inc()
+        key = (breakdown.mode, breakdown.complete)
+        counter = self._trace_counters.get(key)
+        if counter is None:  # labels() takes a lock and builds the series' key: ~1.2 µs a trace more than inc()
+            counter = self._trace_counters[key] = self._traces.labels(key[0], str(key[1]).lower())
+        counter.inc()
         if not breakdown.complete:
             self._counts["traces_incomplete"] += 1
         if late:

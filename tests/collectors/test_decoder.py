@@ -101,6 +101,25 @@ def test_native_and_python_decode_the_same(case):
 
 
 @native
+def test_names_and_trace_ids_are_shared_not_mixed_up():
+    """The native decoder hands out one object per distinct name (up to 32 a request, then new ones)
+    and reuses the previous span's trace id: with 40 names and traces interleaved, every row still
+    gets its own name and trace id."""
+    request = ExportTraceServiceRequest()
+    spans = request.resource_spans.add().scope_spans.add().spans
+    for i in range(120):
+        spans.add(trace_id=bytes([1 + (i // 2) % 3] * 16), span_id=(i + 1).to_bytes(8, "big"),
+                  name=f"step-{i % 40}" + ("é" if i % 7 == 0 else ""), start_time_unix_nano=BASE_NS,
+                  end_time_unix_nano=BASE_NS + 1)
+    native_result, python_result = both(request.SerializeToString())
+    assert comparable(native_result) == comparable(python_result)
+    rows = native_result[0]
+    assert [r.name for r in rows] == [s.name for s in spans]
+    assert [r.trace_id for r in rows] == [s.trace_id for s in spans]
+    assert rows[0].trace_id is rows[1].trace_id and rows[1].name is rows[41].name  # shared, not copied
+
+
+@native
 @pytest.mark.parametrize("bad, message", [
     (dict(trace_id=bytes(16)), "trace_id must be 16 non-zero bytes"),
     (dict(trace_id=b"\x01" * 15), "trace_id must be 16 non-zero bytes"),
