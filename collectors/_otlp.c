@@ -23,6 +23,14 @@
  * whose value is not None, in order: a str, bool, int (int64, two's complement) or float (double).
  * The native half of kvtrace.collectors.wire.attributes (the reference; the tests hold the two to
  * the same bytes).
+ *
+ *   stage_columns(breakdowns, known) -> (ids, starts, ends, critical, offsets, unknown)
+ *
+ * The requests table's per-stage list columns: for each breakdown, each (side, stage) of its
+ * `timings` dict in order: its id in `known` (-1 where it has none; those keys listed once each in
+ * `unknown`), its start and end (the timing's first two items) and its `critical_ns` (0 where
+ * absent), packed int64; `offsets` (int32, one more than breakdowns) says where each breakdown's
+ * stages begin. The native half of kvtrace.collectors.store.stage_columns.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -685,9 +693,80 @@ done:
     return result;
 }
 
+static int put_int64(Buffer *b, int64_t value) { return buffer_put(b, &value, 8); }
+
+static PyObject *stage_columns(PyObject *self, PyObject *args) {
+    PyObject *breakdowns, *known;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &breakdowns, &PyDict_Type, &known)) return NULL;
+    enum { IDS, STARTS, ENDS, CRITICAL, OFFSETS, N_COLUMNS };
+    Buffer col[N_COLUMNS] = {{0}};
+    PyObject *unknown = PyList_New(0), *unknown_seen = PyDict_New(), *result = NULL;
+    PyObject *timings_name = PyUnicode_InternFromString("timings");
+    PyObject *critical_name = PyUnicode_InternFromString("critical_ns");
+    if (!unknown || !unknown_seen || !timings_name || !critical_name) goto done;
+    int32_t count = 0;
+    if (buffer_put(&col[OFFSETS], &count, 4) < 0) goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(breakdowns); i++) {
+        PyObject *b = PyList_GET_ITEM(breakdowns, i);
+        PyObject *timings = PyObject_GetAttr(b, timings_name);
+        PyObject *critical = timings ? PyObject_GetAttr(b, critical_name) : NULL;
+        if (critical == NULL || !PyDict_Check(timings) || !PyDict_Check(critical)) {
+            if (critical != NULL) PyErr_SetString(PyExc_TypeError, "timings and critical_ns must be dicts");
+            Py_XDECREF(timings);
+            Py_XDECREF(critical);
+            goto done;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *key, *timing;
+        int failed = 0;
+        while (!failed && PyDict_Next(timings, &pos, &key, &timing)) {
+            PyObject *id = PyDict_GetItemWithError(known, key);
+            PyObject *on_path = id || !PyErr_Occurred() ? PyDict_GetItemWithError(critical, key) : NULL;
+            if (PyErr_Occurred() || !PyTuple_Check(timing) || PyTuple_GET_SIZE(timing) < 2) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a timing must be (start, end, ...)");
+                failed = 1;
+                break;
+            }
+            int64_t id_value = -1;
+            if (id != NULL) {
+                id_value = PyLong_AsLongLong(id);
+            } else if (!PyDict_Contains(unknown_seen, key)) {
+                if (PyDict_SetItem(unknown_seen, key, Py_None) < 0 || PyList_Append(unknown, key) < 0) failed = 1;
+            }
+            int64_t start = PyLong_AsLongLong(PyTuple_GET_ITEM(timing, 0));
+            int64_t end = PyLong_AsLongLong(PyTuple_GET_ITEM(timing, 1));
+            int64_t path = on_path != NULL ? PyLong_AsLongLong(on_path) : 0;
+            if (failed || PyErr_Occurred() || put_int64(&col[IDS], id_value) < 0 || put_int64(&col[STARTS], start) < 0 ||
+                put_int64(&col[ENDS], end) < 0 || put_int64(&col[CRITICAL], path) < 0)
+                failed = 1;
+            count++;
+        }
+        Py_DECREF(timings);
+        Py_DECREF(critical);
+        if (failed || buffer_put(&col[OFFSETS], &count, 4) < 0) goto done;
+    }
+    PyObject *packed[N_COLUMNS] = {NULL};
+    int ok = 1;
+    for (int c = 0; c < N_COLUMNS; c++) {
+        packed[c] = PyBytes_FromStringAndSize(col[c].data ? col[c].data : "", col[c].len);
+        if (packed[c] == NULL) ok = 0;
+    }
+    if (ok)
+        result = PyTuple_Pack(6, packed[IDS], packed[STARTS], packed[ENDS], packed[CRITICAL], packed[OFFSETS], unknown);
+    for (int c = 0; c < N_COLUMNS; c++) Py_XDECREF(packed[c]);
+done:
+    for (int c = 0; c < N_COLUMNS; c++) PyMem_Free(col[c].data);
+    Py_XDECREF(unknown);
+    Py_XDECREF(unknown_seen);
+    Py_XDECREF(timings_name);
+    Py_XDECREF(critical_name);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Decode an OTLP ExportTraceServiceRequest: (rows, origins, columns)."},
     {"attributes", attributes, METH_VARARGS, "Span.attributes entries for the keys whose value is not None."},
+    {"stage_columns", stage_columns, METH_VARARGS, "The requests' per-stage list columns, packed."},
     {NULL, NULL, 0, NULL},
 };
 

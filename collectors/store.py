@@ -33,6 +33,7 @@ from kvtrace.telemetry import semconv
 from . import schema
 from .breakdown import Breakdown, category_of
 from .model import Origin, SpanBatch, SpanColumns
+from .wire import native
 
 logger = logging.getLogger(__name__)
 
@@ -482,40 +483,23 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
     ``stage_ids`` of ``stage_id_type`` (the embedded store's small ids, a shared store's hashed ones)."""
     now = datetime.now(timezone.utc)
     ms = 1e6
-    # Each stage of each breakdown as flat lists and one offset per row: Arrow builds the list
-    # columns from them without a Python list per row (~4x cheaper).
-    keys: list[tuple[str, str]] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    critical: list[int] = []
-    offsets = [0]
-    instances: list[str] = []
+    stage_ids, starts, ends, critical, offsets = stage_columns(breakdowns, known, assign)
+    instances: list[str] = []  # the clock maps: flat keys and values, one offset per row
     instance_offsets: list[int] = []
     clock_offsets = [0]
     bounded: list[str] = []
     bounds: list[int] = []
     clock_bounds = [0]
-    for b in breakdowns:  # C-level map/extend: this loop runs for every stage of every trace
-        timings = b.timings
-        values = timings.values()
-        keys.extend(timings)
-        starts.extend(map(_FIRST, values))
-        ends.extend(map(_SECOND, values))
-        critical.extend(map(b.critical_ns.get, timings, _ZEROS))
-        offsets.append(len(keys))
+    for b in breakdowns:
         instances.extend(b.offsets_ns)
         instance_offsets.extend(b.offsets_ns.values())
         clock_offsets.append(len(instances))
         bounded.extend(b.clock_bounds_ns)
         bounds.extend(b.clock_bounds_ns.values())
         clock_bounds.append(len(bounded))
-    stage_ids = list(map(known.get, keys))
-    if None in stage_ids:  # a (side, stage) not seen before
-        stage_ids = [found if found is not None else assign(key) for found, key in zip(stage_ids, keys)]
-    offsets_array = pa.array(offsets, pa.int32())
 
-    def lists(values: list, kind: pa.DataType) -> pa.ListArray:
-        return pa.ListArray.from_arrays(offsets_array, pa.array(values, kind))
+    def lists(values: pa.Array) -> pa.ListArray:
+        return pa.ListArray.from_arrays(offsets, values)
 
     return pa.table({
         "trace_id": [b.trace_id for b in breakdowns],
@@ -548,10 +532,10 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         "clock_bounds": pa.MapArray.from_arrays(pa.array(clock_bounds, pa.int32()), pa.array(bounded, pa.string()),
                                                 pa.array(bounds, pa.int64())),
         "clock_suspect": [b.clock_suspect for b in breakdowns],
-        "stage_ids": lists(stage_ids, stage_id_type),
-        "stage_start_ns": lists(starts, pa.int64()),
-        "stage_end_ns": lists(ends, pa.int64()),
-        "stage_critical_ns": lists(critical, pa.int64()),
+        "stage_ids": lists(stage_ids.cast(stage_id_type)),
+        "stage_start_ns": lists(starts),
+        "stage_end_ns": lists(ends),
+        "stage_critical_ns": lists(critical),
         "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
         **{column: pa.array([_client_value(b.client, key, scale) for b in breakdowns], kind)
@@ -559,6 +543,41 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         "ttft_reference": [b.ttft_reference for b in breakdowns],
         "explanation": [b.explanation for b in breakdowns],
     })
+
+
+def stage_columns(breakdowns: list[Breakdown], known: dict[tuple[str, str], int],
+                  assign: Callable[[tuple[str, str]], int]) -> tuple[pa.Array, ...]:
+    """The requests' per-stage list columns, flat: (stage ids, starts, ends, time on the critical path,
+    all int64, and one int32 offset per row plus one). A (side, stage) not in ``known`` gets its id
+    from ``assign``. Native where the extension is built (~1.5 µs a trace instead of ~6); this loop
+    is the reference."""
+    if native is not None:
+        ids, starts, ends, critical, offsets, unknown = native.stage_columns(breakdowns, known)
+        if unknown:  # stages not seen before (the first flushes): give them ids, then once more
+            known = {**known, **{key: assign(key) for key in unknown}}
+            ids, starts, ends, critical, offsets, _ = native.stage_columns(breakdowns, known)
+        n = len(starts) // 8
+
+        def packed(kind: pa.DataType, length: int, data: bytes) -> pa.Array:
+            return pa.Array.from_buffers(kind, length, [None, pa.py_buffer(data)])
+        return (packed(pa.int64(), n, ids), packed(pa.int64(), n, starts), packed(pa.int64(), n, ends),
+                packed(pa.int64(), n, critical), packed(pa.int32(), len(breakdowns) + 1, offsets))
+    keys: list[tuple[str, str]] = []
+    columns: tuple[list[int], list[int], list[int]] = ([], [], [])  # starts, ends, critical
+    row_offsets = [0]
+    for b in breakdowns:  # C-level map/extend: this loop runs for every stage of every trace
+        timings = b.timings
+        values = timings.values()
+        keys.extend(timings)
+        columns[0].extend(map(_FIRST, values))
+        columns[1].extend(map(_SECOND, values))
+        columns[2].extend(map(b.critical_ns.get, timings, _ZEROS))
+        row_offsets.append(len(keys))
+    ids = list(map(known.get, keys))
+    if None in ids:  # a (side, stage) not seen before
+        ids = [found if found is not None else assign(key) for found, key in zip(ids, keys)]
+    return (pa.array(ids, pa.int64()), *(pa.array(column, pa.int64()) for column in columns),
+            pa.array(row_offsets, pa.int32()))
 
 
 _CLIENT_COLUMNS = (  # requests column, client span attribute, divisor, type

@@ -110,3 +110,29 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
     written = request_table([breakdown], 1, {}, lambda key: 1).column_names
     declared = [name for name, *_ in collector.store.query("DESCRIBE requests")]
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))
+
+
+@pytest.mark.skipif(__import__("kvtrace.collectors.wire", fromlist=["native"]).native is None,
+                    reason="native module not built")
+def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
+    """``store.stage_columns`` natively and in Python: the same ids (new stages assigned in the same
+    order), times and offsets, over traces of every shape (TP ranks, a gateway's, failed, incomplete)."""
+    from kvtrace.collectors import store
+    from kvtrace.collectors.attribution import Attributor
+
+    cases = [build("push", "kv_first"), build("pull", late_rank_ms=3), build("push", drop={"decode:completion"}),
+             build("pull", fail="read"), build("push", router="gw", contract=1), build("push", drop={"router"})]
+    breakdowns = [Attributor().attribute(b.trace_id, [r for q in b.requests for r in SpanBatch.of(q).rows])
+                  for b in cases]
+    results = []
+    for native in (store.native, None):
+        monkeypatch.setattr(store, "native", native)
+        known = {("router", "pd_route"): 7}
+        assigned: dict = {}  # as the stores assign: once per new stage, the same id when asked again
+        columns = store.stage_columns(breakdowns, known, lambda key: assigned.setdefault(key, 100 + len(assigned)))
+        results.append(([column.to_pylist() for column in columns], list(assigned.items())))
+    assert results[0] == results[1]
+    (ids, starts, ends, critical, offsets), assigned = results[0]
+    assert offsets[-1] == len(ids) == sum(len(b.timings) for b in breakdowns) and len(offsets) == len(breakdowns) + 1
+    assert ("router", "pd_route") not in dict(assigned) and 7 in ids and set(ids) == {7, *dict(assigned).values()}
+    assert all(e >= s for s, e in zip(starts, ends)) and sum(critical) > 0
