@@ -12,11 +12,14 @@ import os
 import struct
 from collections.abc import Sequence
 
+# The native module (_otlp.c), None where it is not built: then the Python halves work alone (here,
+# model.decode_python, store.stage_columns). KVTRACE_PURE_PYTHON_DECODER turns every native half off,
+# to compare them or to rule them out.
 try:
     from . import _otlp as native
-except ImportError:  # installed without a C compiler: the Python halves below (and model.decode_python) work alone
+except ImportError:  # installed without a C compiler
     native = None
-if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):  # to compare the two, or to rule the native module out
+if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):
     native = None
 
 _BYTE = [bytes([value]) for value in range(0x80)]
