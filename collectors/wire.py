@@ -42,41 +42,23 @@ def field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
-def key_value(key: str, value: str | int | bool) -> bytes:
-    """An OTLP ``KeyValue``'s body: the key and an ``AnyValue`` holding a string, an int64 or a bool."""
+_DOUBLE = struct.Struct("<d")
+
+
+def key_value(key: str, value: str | int | bool | float) -> bytes:
+    """An OTLP ``KeyValue``'s body: the key and an ``AnyValue`` holding a string, an int64, a bool
+    or a double."""
     if isinstance(value, bool):
         any_value = varint(2 << 3) + varint(int(value))
     elif isinstance(value, int):
-        any_value = varint(3 << 3) + varint(value & 0xFFFF_FFFF_FFFF_FFFF)
-    else:
-        any_value = field(1, value.encode())
-    return field(1, key.encode()) + field(2, any_value)
-
-
-_DOUBLE = struct.Struct("<d")
-_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-_KEY_FIELDS: dict[str, bytes] = {}
-
-
-def _attribute(key: str, value: str | bool | int | float) -> bytes:
-    """One ``Span.attributes`` entry (field 9): the key and an ``AnyValue`` of the value's type."""
-    if isinstance(value, bool):
-        any_value = b"\x10\x01" if value else b"\x10\x00"
-    elif isinstance(value, int):
-        any_value = b"\x18" + varint(value & _MASK64)  # int64, two's complement
+        any_value = varint(3 << 3) + varint(value & 0xFFFF_FFFF_FFFF_FFFF)  # int64, two's complement
     elif isinstance(value, float):
-        any_value = b"\x21" + _DOUBLE.pack(value)
+        any_value = varint(4 << 3 | 1) + _DOUBLE.pack(value)
     elif isinstance(value, str):
         any_value = field(1, value.encode())
     else:
         raise TypeError(f"attribute {key!r}: a str, bool, int or float, not {type(value).__name__}")
-    key_field = _KEY_FIELDS.get(key)
-    if key_field is None:
-        key_field = _KEY_FIELDS[key] = field(1, key.encode())
-    body = key_field + b"\x12" + varint(len(any_value)) + any_value  # KeyValue.key, KeyValue.value
-    return b"\x4a" + varint(len(body)) + body
+    return field(1, key.encode()) + field(2, any_value)
 
 
 def attributes_python(keys: tuple[str, ...], values: Sequence) -> bytes:
@@ -84,7 +66,7 @@ def attributes_python(keys: tuple[str, ...], values: Sequence) -> bytes:
     for ``_otlp.attributes``, which the collector uses where it is built)."""
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys, {len(values)} values")
-    return b"".join(_attribute(key, value) for key, value in zip(keys, values) if value is not None)
+    return b"".join(field(9, key_value(key, value)) for key, value in zip(keys, values) if value is not None)
 
 
 attributes = native.attributes if native is not None else attributes_python

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvtrace.collectors import wire
 from kvtrace.collectors.model import SpanBatch
 from tests.helpers import wait_until
 from tests.collectors.traces import MS, build, shuffled_span_requests
@@ -112,8 +113,7 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))
 
 
-@pytest.mark.skipif(__import__("kvtrace.collectors.wire", fromlist=["native"]).native is None,
-                    reason="native module not built")
+@pytest.mark.skipif(wire.native is None, reason="native module not built")
 def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
     """``store.stage_columns`` natively and in Python: the same ids (new stages assigned in the same
     order), times and offsets, over traces of every shape (TP ranks, a gateway's, failed, incomplete)."""
