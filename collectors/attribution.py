@@ -30,11 +30,12 @@ from .breakdown import (
     ALLOCATION, D_COMPLETION, D_DESCRIPTOR_PREP, D_HANDSHAKE, D_INPUT, D_OUTPUT, D_QUEUE, D_REGISTRATION, DECODE,
     DECODE_LEG, FIRST_TOKEN, GAP, INGRESS, P_DESCRIPTOR_PREP, P_HANDSHAKE, P_INPUT, P_PREFILL, P_QUEUE, P_REGISTRATION,
     PREFILL, PREFILL_LEG, R_REGISTRATION, READ, READ_WAIT, RELAY, RENDEZVOUS, ROOT, ROUTE, ROUTER, STAGE_CATEGORY,
-    UNLISTED_CATEGORY, WRITE, Breakdown, Segment,
+    STAGE_KEYS, UNLISTED_CATEGORY, WRITE, Breakdown, Segment,
 )
 from .clocks import ClockAligner, ClockBook
 from .explain import explain
 from .model import SpanRow
+from .wire import native
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
 # A stage newer senders record is listed with the one it follows in older traces (p_queue waits
@@ -119,6 +120,7 @@ _NOT_OUTER = frozenset({_CLIENT_SPAN, _VLLM_SPAN})  # the load generator's; vLLM
 _GATEWAY_REQUEST, _ROOT_CATEGORY = semconv.GATEWAY_REQUEST_LABEL, Category.ROOT.value
 _UNATTRIBUTED = Category.UNATTRIBUTED.value
 _COORDINATION = Category.COORDINATION.value
+_same_key = STAGE_KEYS.get
 
 
 class Attributor:
@@ -146,6 +148,7 @@ class Attributor:
                 first_of[origin.instance] = span
             side = origin.side
             key = (side, span.stage)
+            key = _same_key(key, key)  # the contract's object for it (STAGE_KEYS)
             seen = index.get(key)
             if seen is None:
                 index[key] = span
@@ -221,7 +224,7 @@ class Attributor:
                     end = out
             if mode == "pull":
                 _add_relay(timings)
-        parts, critical, segments = self._walk(timings, PREDECESSORS[mode], start, end)
+        parts, critical, segments = walk(timings, PREDECESSORS[mode], start, end)
 
         if undeclared:  # an older sender: version 2 recorded engine.input, version 1 did not
             inferred = 2 if P_INPUT in index or D_INPUT in index else 1
@@ -249,68 +252,6 @@ class Attributor:
                 breakdown.run_id = client.origin.run_id
         breakdown.explanation = explain(breakdown)
         return breakdown
-
-    # ------------------------------------------------------------------ the walk
-
-    @staticmethod
-    def _walk(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
-              end: int) -> tuple[dict[str, int], dict[tuple[str, str], int], list[Segment]]:
-        """(time per category, time per stage, the segments first to last) on the critical path
-        from ``end`` back to ``start``."""
-        parts = dict.fromkeys(semconv.CATEGORY_NAMES, 0)
-        critical: dict[tuple[str, str], int] = {}
-        segments: list[Segment] = []  # collected last to first
-        if end <= start:
-            return parts, critical, segments
-        # the first token back at the router, else out of D's API server, else sampled
-        node_key = DECODE_LEG if DECODE_LEG in timings else D_OUTPUT if D_OUTPUT in timings else FIRST_TOKEN
-        if node_key not in timings:  # no first token: start from whatever ended last
-            node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
-        t = end
-        # Comparisons rather than min()/max() calls: this loop runs for every trace.
-        while node_key is not None and t > start:
-            node_start, node_end, category = timings[node_key]
-            preds = graph.get(node_key)
-            if preds is None:  # off the known graph: anything that ended before it (but the root)
-                preds = [k for k, s in timings.items() if k != node_key and k != ROOT and s[1] <= node_start]
-            pred_key, pred_end = None, start
-            for key in preds:  # the predecessor that ended last (the first of equals)
-                candidate = timings.get(key)
-                if candidate is None:  # not in this trace: bridge to what it waits for
-                    if key in DERIVED:
-                        continue
-                    key = _latest_present(graph, timings, key)
-                    if key is None:
-                        continue
-                    candidate = timings[key]
-                if pred_key is None or candidate[1] > pred_end:
-                    pred_key, pred_end = key, candidate[1]
-            # This stage's segment: from when its last predecessor ended (or it started, if
-            # later) to when it ended (or t, if the walk is already earlier), within [start, t].
-            seg_end = node_end if node_end < t else t
-            if seg_end < start:
-                seg_end = start
-            seg_start = node_start if node_start > pred_end else pred_end
-            if seg_start < start:
-                seg_start = start
-            if seg_start > seg_end:
-                seg_start = seg_end
-            if seg_end < t:
-                parts[_UNATTRIBUTED] += t - seg_end
-                segments.append((GAP, seg_end, t))
-            if seg_end > seg_start:
-                if category not in parts:  # "root" on a span that is not the router's root
-                    category = _COORDINATION
-                parts[category] += seg_end - seg_start
-                critical[node_key] = seg_end - seg_start
-                segments.append((node_key, seg_start, seg_end))
-            t = seg_start
-            node_key = pred_key
-        if t > start:
-            parts[_UNATTRIBUTED] += t - start
-            segments.append((GAP, start, t))
-        segments.reverse()
-        return parts, critical, segments
 
     # ------------------------------------------------------------------ details
 
@@ -345,6 +286,86 @@ class Attributor:
                     breakdown.last_token_ns = int(value)
                 elif key == semconv.ATTR_BLOCK_COUNT:
                     breakdown.block_count = max(breakdown.block_count, int(value))
+
+
+def walk_python(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
+                end: int) -> tuple[dict[str, int], dict[tuple[str, str], int], list[Segment]]:
+    """(time per category, time per stage, the segments first to last) on the critical path
+    from ``end`` back to ``start``. The reference of the native ``_otlp.walk``."""
+    parts = dict.fromkeys(semconv.CATEGORY_NAMES, 0)
+    critical: dict[tuple[str, str], int] = {}
+    segments: list[Segment] = []  # collected last to first
+    if end <= start:
+        return parts, critical, segments
+    # the first token back at the router, else out of D's API server, else sampled
+    node_key = DECODE_LEG if DECODE_LEG in timings else D_OUTPUT if D_OUTPUT in timings else FIRST_TOKEN
+    if node_key not in timings:  # no first token: start from whatever ended last
+        node_key = max((k for k in timings if k != ROOT), key=lambda k: timings[k][1], default=None)
+    t = end
+    # Each stage once at most: stages off the graph, all of no length at one instant, would each be the
+    # other's predecessor for ever.
+    steps = len(timings)
+    # Comparisons rather than min()/max() calls: this loop runs for every trace.
+    while node_key is not None and t > start and steps:
+        steps -= 1
+        node_start, node_end, category = timings[node_key]
+        preds = graph.get(node_key)
+        if preds is None:  # off the known graph: anything that ended before it (but the root)
+            preds = [k for k, s in timings.items() if k != node_key and k != ROOT and s[1] <= node_start]
+        pred_key, pred_end = None, start
+        for key in preds:  # the predecessor that ended last (the first of equals)
+            candidate = timings.get(key)
+            if candidate is None:  # not in this trace: bridge to what it waits for
+                if key in DERIVED:
+                    continue
+                key = _latest_present(graph, timings, key)
+                if key is None:
+                    continue
+                candidate = timings[key]
+            if pred_key is None or candidate[1] > pred_end:
+                pred_key, pred_end = key, candidate[1]
+        # This stage's segment: from when its last predecessor ended (or it started, if
+        # later) to when it ended (or t, if the walk is already earlier), within [start, t].
+        seg_end = node_end if node_end < t else t
+        if seg_end < start:
+            seg_end = start
+        seg_start = node_start if node_start > pred_end else pred_end
+        if seg_start < start:
+            seg_start = start
+        if seg_start > seg_end:
+            seg_start = seg_end
+        if seg_end < t:
+            parts[_UNATTRIBUTED] += t - seg_end
+            segments.append((GAP, seg_end, t))
+        if seg_end > seg_start:
+            if category not in parts:  # "root" on a span that is not the router's root
+                category = _COORDINATION
+            parts[category] += seg_end - seg_start
+            critical[node_key] = seg_end - seg_start
+            segments.append((node_key, seg_start, seg_end))
+        t = seg_start
+        node_key = pred_key
+    if t > start:
+        parts[_UNATTRIBUTED] += t - start
+        segments.append((GAP, start, t))
+    segments.reverse()
+    return parts, critical, segments
+
+
+# The walk's constants, for the native half (_otlp.c: the same walk in C, ~6 µs a trace less).
+_WALK_CONFIG = (frozenset(DERIVED), ROOT, GAP, semconv.CATEGORY_NAMES, _COORDINATION, _UNATTRIBUTED,
+                (DECODE_LEG, D_OUTPUT, FIRST_TOKEN))
+
+
+def walk(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
+         end: int) -> tuple[dict[str, int], dict[tuple[str, str], int], list[Segment]]:
+    """:func:`walk_python`, natively where the extension is built."""
+    if native is not None:
+        try:
+            return native.walk(timings, graph, start, end, _WALK_CONFIG)
+        except OverflowError:  # a time beyond int64 (a sender's broken clock): Python's ints have no bound
+            pass
+    return walk_python(timings, graph, start, end)
 
 
 def _latest_present(graph, timings, missing: tuple[str, str]) -> tuple[str, str] | None:

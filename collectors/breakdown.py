@@ -16,9 +16,16 @@ from kvtrace.telemetry.semconv import Side, Stage
 ROUTER, PREFILL, DECODE = (side.value for side in (Side.ROUTER, Side.PREFILL, Side.DECODE))
 
 
+STAGE_KEYS: dict[tuple[str, str], tuple[str, str]] = {}
+"""Every contract and derived stage key, as one object: ``STAGE_KEYS.get(key, key)``. A tuple's hash is not
+cached and dicts compare keys by identity first: keys made this way (the attribution's index, then a
+few dozen lookups per trace) skip comparing both strings at each lookup."""
+
+
 def contract_key(side: str, stage: Stage) -> tuple[str, str]:
     """A contract stage's key on one side: ``contract_key(PREFILL, Stage.WRITE)`` is ``("prefill", "write")``."""
-    return (side, semconv.STAGE_LABELS[stage])
+    key = (side, semconv.STAGE_LABELS[stage])
+    return STAGE_KEYS.setdefault(key, key)
 
 
 # Every contract stage's key, by where it is recorded (R_, P_, D_ where a stage has several sides).
@@ -46,12 +53,15 @@ READ = contract_key(DECODE, Stage.READ)
 D_COMPLETION = contract_key(DECODE, Stage.COMPLETION)
 D_QUEUE = contract_key(DECODE, Stage.D_QUEUE)
 FIRST_TOKEN = contract_key(DECODE, Stage.FIRST_TOKEN)
+for _stage, _spec in semconv.STAGES.items():  # and those of the other sides
+    for _side in _spec.sides:
+        contract_key(_side.value, _stage)
 # The collector's own stages: derived from spans' times, no span of their own.
-INGRESS = (ROUTER, semconv.INGRESS_LABEL)
+INGRESS = STAGE_KEYS.setdefault((ROUTER, semconv.INGRESS_LABEL), (ROUTER, semconv.INGRESS_LABEL))
 """Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
-RELAY = (ROUTER, semconv.RELAY_LABEL)
+RELAY = STAGE_KEYS.setdefault((ROUTER, semconv.RELAY_LABEL), (ROUTER, semconv.RELAY_LABEL))
 """Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
-D_OUTPUT = (DECODE, semconv.OUTPUT_LABEL)
+D_OUTPUT = STAGE_KEYS.setdefault((DECODE, semconv.OUTPUT_LABEL), (DECODE, semconv.OUTPUT_LABEL))
 """Behind another router, with vLLM's tracing on: D's first token on its way out of D's API server (derived)."""
 STAGE_CATEGORY = {
     **{semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()},

@@ -33,6 +33,7 @@ MAX_MISSING_NAMED = 3
 _SIDE_NAME = {keys.ROUTER: "the router", keys.PREFILL: "P", keys.DECODE: "D"}
 _KV_FIRST = semconv.RendezvousOrder.KV_FIRST.value
 _REGISTRATION_FIRST = semconv.RendezvousOrder.REGISTRATION_FIRST.value
+_UNATTRIBUTED = Category.UNATTRIBUTED.value
 
 
 def _ms(ns: int) -> str:
@@ -140,7 +141,7 @@ def _stage_name(key: tuple[str, str]) -> str:
 
 def _part_clause(b: Breakdown, part: str) -> str:
     share = _share(b.parts[part], b.ttft_ns)
-    if part == Category.UNATTRIBUTED.value:
+    if part == _UNATTRIBUTED:
         return f"{share} unattributed: no span covers {_ms(b.parts[part])} of the critical path{_longest_gap(b)}"
     timings = b.timings  # each stage's category as the attribution charged it
     on_path = [(critical, key) for key, critical in b.critical_ns.items()
