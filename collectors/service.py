@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 HEALTH_INTERVAL_S = 5.0
+GC_YOUNG_THRESHOLD = 500_000
+"""Allocations between the cyclic GC's young collections (Python's default is 700): Collector.start says why."""
 
 
 class Busy(RetryLater):
@@ -242,9 +244,13 @@ class Collector:
 
     def start(self) -> None:
         c = self.config
-        # The pipeline allocates many short-lived objects per span; the default gen-0
-        # threshold (700) makes the cyclic GC scan the growing heap far too often.
-        gc.set_threshold(50_000, 20, 20)
+        # The pipeline allocates many short-lived objects per span, and holds those of up to a store
+        # flush's worth of spans (~7 tracked objects each) until the flush: a young generation smaller than
+        # that is scanned while they all still live. At 50,000 the young collections cost 0.56 µs a span
+        # (9 % of the pipeline), at 500,000 none: the pipeline makes no reference cycles (0 found after
+        # 210,000 spans), so refcounting frees everything and the young count never reaches it. Garbage in
+        # cycles elsewhere waits for 500,000 objects at most.
+        gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
         if DECODER != "native":
             logger.warning("kvtrace collector: the native OTLP decoder is not built (no C compiler at install?); "
                            "decoding in Python, several times slower")
