@@ -22,10 +22,13 @@ cached and dicts compare keys by identity first: keys made this way (the attribu
 few dozen lookups per trace) skip comparing both strings at each lookup."""
 
 
+def _shared(key: tuple[str, str]) -> tuple[str, str]:
+    return STAGE_KEYS.setdefault(key, key)
+
+
 def contract_key(side: str, stage: Stage) -> tuple[str, str]:
     """A contract stage's key on one side: ``contract_key(PREFILL, Stage.WRITE)`` is ``("prefill", "write")``."""
-    key = (side, semconv.STAGE_LABELS[stage])
-    return STAGE_KEYS.setdefault(key, key)
+    return _shared((side, semconv.STAGE_LABELS[stage]))
 
 
 # Every contract stage's key, by where it is recorded (R_, P_, D_ where a stage has several sides).
@@ -57,11 +60,11 @@ for _stage, _spec in semconv.STAGES.items():  # and those of the other sides
     for _side in _spec.sides:
         contract_key(_side.value, _stage)
 # The collector's own stages: derived from spans' times, no span of their own.
-INGRESS = STAGE_KEYS.setdefault((ROUTER, semconv.INGRESS_LABEL), (ROUTER, semconv.INGRESS_LABEL))
+INGRESS = _shared((ROUTER, semconv.INGRESS_LABEL))
 """Behind the user's gateway: its span's start -> P's API server has the request (derived, no span)."""
-RELAY = STAGE_KEYS.setdefault((ROUTER, semconv.RELAY_LABEL), (ROUTER, semconv.RELAY_LABEL))
+RELAY = _shared((ROUTER, semconv.RELAY_LABEL))
 """Pull behind another router: P's prefill done -> D's API server has the request (derived, no span)."""
-D_OUTPUT = STAGE_KEYS.setdefault((DECODE, semconv.OUTPUT_LABEL), (DECODE, semconv.OUTPUT_LABEL))
+D_OUTPUT = _shared((DECODE, semconv.OUTPUT_LABEL))
 """Behind another router, with vLLM's tracing on: D's first token on its way out of D's API server (derived)."""
 STAGE_CATEGORY = {
     **{semconv.STAGE_LABELS[stage]: spec.category.value for stage, spec in semconv.STAGES.items()},
