@@ -23,6 +23,8 @@ the order of the trace's spans).
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvtrace.telemetry import semconv
 from kvtrace.telemetry.semconv import Category
 
@@ -34,7 +36,7 @@ from .breakdown import (
 )
 from .clocks import ClockAligner, ClockBook
 from .explain import explain
-from .model import SpanRow
+from .model import INT32_MAX, INT64_MAX, SpanRow, whole_number
 from .wire import native
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
@@ -201,8 +203,8 @@ class Attributor:
         if root is not None:
             reference = _ROUTER_REF
             start = root.start
-            ttft = root.attrs.get(_TTFT)
-            end = start + int(ttft) if ttft else (first[1] if first else root.end)
+            ttft = whole_number(root.attrs.get(_TTFT))
+            end = start + ttft if ttft else (first[1] if first else root.end)
         else:
             reference = _GATEWAY_REF if outer is not None else _ENGINE_REF
             p_first = timings.get(P_INPUT) or timings.get(P_QUEUE)
@@ -224,6 +226,8 @@ class Attributor:
                     end = out
             if mode == "pull":
                 _add_relay(timings)
+        if end < start:  # a first token before the start: a sender's clock or its times are off; no TTFT to split
+            end = start
         parts, critical, segments = walk(timings, PREDECESSORS[mode], start, end)
 
         if undeclared:  # an older sender: version 2 recorded engine.input, version 1 did not
@@ -257,6 +261,9 @@ class Attributor:
 
     @staticmethod
     def _details(breakdown: Breakdown, spans: list[SpanRow]) -> None:
+        """The detail attributes' values into the breakdown: sums over the spans that record them (TP
+        ranks), the largest of counts recorded on both sides; a value that is no whole number in its
+        column's range is left out (:func:`.model.whole_number`)."""
         for span in spans:
             keys = _DETAILS.get(span.stage)
             if keys is None:
@@ -268,24 +275,45 @@ class Attributor:
                     continue
                 if key == semconv.ATTR_RENDEZVOUS_ORDER:
                     breakdown.rendezvous_order = str(value)
-                elif key == semconv.ATTR_TRANSFER_BYTES:
-                    breakdown.transfer_bytes += int(value)
+                    continue
+                limit = _LIMIT.get(key, INT64_MAX)
+                number = whole_number(value, limit)
+                if number is None:
+                    continue
+                if key == semconv.ATTR_TRANSFER_BYTES:
+                    breakdown.transfer_bytes = _sum(breakdown.transfer_bytes, number, limit)
                 elif key == semconv.ATTR_TRANSFER_DESCRIPTORS:
-                    breakdown.transfer_descriptors += int(value)
+                    breakdown.transfer_descriptors = _sum(breakdown.transfer_descriptors, number, limit)
                 elif key == semconv.ATTR_TRANSFER_POST_US:
-                    breakdown.transfer_post_us += int(value)
+                    breakdown.transfer_post_us = _sum(breakdown.transfer_post_us, number, limit)
                 elif key == semconv.ATTR_TRANSFER_XFER_US:
-                    breakdown.transfer_xfer_us += int(value)
+                    breakdown.transfer_xfer_us = _sum(breakdown.transfer_xfer_us, number, limit)
                 elif key == semconv.ATTR_ENGINE_LOOP_NS:
-                    breakdown.engine_loop_ns += int(value)
+                    breakdown.engine_loop_ns = _sum(breakdown.engine_loop_ns, number, limit)
                 elif key == semconv.ATTR_INPUT_TOKENS:
-                    breakdown.prompt_tokens = max(breakdown.prompt_tokens, int(value))
+                    breakdown.prompt_tokens = max(breakdown.prompt_tokens, number)
                 elif key == semconv.ATTR_OUTPUT_TOKENS:
-                    breakdown.output_tokens = int(value)
+                    breakdown.output_tokens = number
                 elif key == semconv.ATTR_ROUTER_LAST_TOKEN_NS:
-                    breakdown.last_token_ns = int(value)
+                    breakdown.last_token_ns = number
                 elif key == semconv.ATTR_BLOCK_COUNT:
-                    breakdown.block_count = max(breakdown.block_count, int(value))
+                    breakdown.block_count = max(breakdown.block_count, number)
+
+
+TRANSFER_LIMIT = 2**40
+"""The most a request's transfer fields hold (bytes: 1 TiB; µs: 12.7 days), so that a minute's sums in the
+rollups' 64-bit columns fit over 8 million requests; larger values are a sender's error, left out."""
+# The counts stored as 32-bit columns (requests.prompt_tokens, output_tokens, block_count), the transfer's
+# fields; the others as 64-bit.
+_LIMIT = {**dict.fromkeys((semconv.ATTR_INPUT_TOKENS, semconv.ATTR_OUTPUT_TOKENS, semconv.ATTR_BLOCK_COUNT),
+                          INT32_MAX),
+          **dict.fromkeys((semconv.ATTR_TRANSFER_BYTES, semconv.ATTR_TRANSFER_DESCRIPTORS, semconv.ATTR_TRANSFER_POST_US,
+                           semconv.ATTR_TRANSFER_XFER_US), TRANSFER_LIMIT)}
+
+
+def _sum(total: int, number: int, limit: int) -> int:
+    """``total + number`` (ranks' values add up), or ``total`` where the sum would pass ``limit``."""
+    return total + number if total + number <= limit else total
 
 
 def walk_python(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,
@@ -392,9 +420,19 @@ def _first_token_out(spans: list[SpanRow], d_offset: int) -> int:
     time to first token; D's is the later of P's and D's), on D's clock shifted by ``d_offset``; 0 if none."""
     out = 0
     for span in spans:
-        if span.name == _VLLM_SPAN and (ttft := span.attrs.get(_VLLM_TTFT)):
-            out = max(out, span.start + int(float(ttft) * 1e9))
+        if span.name == _VLLM_SPAN and (ttft := _seconds_ns(span.attrs.get(_VLLM_TTFT))):
+            out = max(out, span.start + ttft)
     return out + d_offset if out else 0
+
+
+def _seconds_ns(value: Any) -> int | None:
+    """vLLM's time to first token (seconds, a double) in ns; None for anything that is no finite duration
+    under a day."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(seconds * 1e9) if 0 <= seconds < 86_400 else None  # NaN fails both comparisons
 
 
 def _add_relay(timings: dict[tuple[str, str], tuple[int, int, str]]) -> None:

@@ -37,6 +37,7 @@ from .breakdown import (
     ALLOCATION, D_COMPLETION, D_INPUT, D_REGISTRATION, DECODE_LEG, FIRST_TOKEN, P_COMPLETION, P_INPUT, P_PREFILL,
     P_QUEUE, P_REGISTRATION, PREFILL_LEG, R_REGISTRATION, READ, ROUTE, ROUTER, WRITE,
 )
+from .model import whole_number
 
 WINDOW = 64
 MAX_SENDERS = 10_000
@@ -431,8 +432,8 @@ class ClockAligner:
             return offsets, bounds, suspect
         route = get(ROUTE)
         route_end = route.end if route is not None else root.start
-        ttft = root.attrs.get(_TTFT)
-        first_token_at_router = root.start + int(ttft) if ttft else root.end
+        ttft = whole_number(root.attrs.get(_TTFT))
+        first_token_at_router = root.start + ttft if ttft else root.end
         relay = get(R_REGISTRATION)  # pull: P's params relayed to D
         p_offset = 0
         if p_any is not None:

@@ -21,11 +21,12 @@ attribute, or its name.
 from __future__ import annotations
 
 import array
+import math
 import sys
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -64,6 +65,28 @@ _RESOURCE_KEYS_BYTES = {sys.intern(k).encode(): sys.intern(k) for k in _RESOURCE
 
 class PermanentError(ValueError):
     """The data is wrong and retrying will not help (Collector: ``consumererror.NewPermanent``)."""
+
+
+INT32_MAX: Final = 2**31 - 1
+INT64_MAX: Final = 2**63 - 1
+
+
+def whole_number(value: Any, limit: int = INT64_MAX) -> int | None:
+    """A count, size or time a sender put in an attribute, as a whole number in [0, ``limit``]; None for
+    anything else (a string that is no number, NaN, a negative or too large value, a bool). One sender's bad
+    value then costs its trace that detail, not the trace's breakdown, and never the store a column's type
+    (a value past a column's range failed every later flush)."""
+    if type(value) is int:
+        return value if 0 <= value <= limit else None
+    if type(value) is float:
+        return int(value) if math.isfinite(value) and 0 <= value <= limit else None
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            return None
+        return number if 0 <= number <= limit else None
+    return None
 
 
 def value_of(v: Any) -> Any:

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import operator
 import threading
 import time
@@ -32,7 +33,7 @@ from kvtrace.telemetry import semconv
 
 from . import schema
 from .breakdown import Breakdown, category_of
-from .model import Origin, SpanBatch, SpanColumns
+from .model import INT32_MAX, Origin, SpanBatch, SpanColumns, whole_number
 from .wire import native
 
 logger = logging.getLogger(__name__)
@@ -538,7 +539,7 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         "stage_critical_ns": lists(critical),
         "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
-        **{column: pa.array([_client_value(b.client, key, scale) for b in breakdowns], kind)
+        **{column: pa.array([_client_value(b.client, key, scale, kind) for b in breakdowns], kind)
            for column, key, scale, kind in _CLIENT_COLUMNS},
         "ttft_reference": [b.ttft_reference for b in breakdowns],
         "explanation": [b.explanation for b in breakdowns],
@@ -592,12 +593,21 @@ _CLIENT_COLUMNS = (  # requests column, client span attribute, divisor, type
 )
 
 
-def _client_value(client: dict[str, float], key: str, scale: float | None) -> float | None:
-    """A client-span measure for its column (None where the request had no client span or lacks it)."""
+def _client_value(client: dict[str, float], key: str, scale: float | None, kind: pa.DataType) -> float | None:
+    """A client-span measure for its column: None where the request had no client span, lacks it, or holds
+    no number the column can take (a value past an int32 column's range failed every later flush)."""
     value = client.get(key) if client else None
     if value is None:
         return None
-    return value / scale if scale else value
+    if kind == pa.int32():
+        return whole_number(value, INT32_MAX)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(number):
+        return None
+    return number / scale if scale else number
 
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)

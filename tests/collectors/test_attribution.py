@@ -202,3 +202,119 @@ def test_stages_off_the_graph_at_one_instant_end_the_walk():
         thread.join(5)
         assert not thread.is_alive(), f"{fn.__name__} did not end"
     assert results[0] == results[1] and results[0][0]["unattributed"] == 200
+
+
+# ---------------------------------------------------------------------- hostile senders
+
+def _hostile_trace(rng, origins, stages):
+    """Up to 25 spans from random processes (contract roles and others, shared instances), random stages,
+    names, statuses and times, and detail attributes of every wrong kind."""
+    from kvtrace.collectors.model import SpanRow
+    from kvtrace.telemetry import semconv
+
+    wrong = {
+        semconv.ATTR_ROUTER_TTFT_NS: [0, 1, 10**8, -5, "12", 1.5, "abc", True, 2**63],
+        semconv.ATTR_TRANSFER_BYTES: [0, 10, "7", 2**62, 2**63 - 1, "x", 1e300, float("nan")],
+        semconv.ATTR_INPUT_TOKENS: [1, 100, "5", "many", -3, 3_000_000_000],
+        semconv.ATTR_BLOCK_COUNT: [2**40, 4],
+        semconv.ATTR_RENDEZVOUS_ORDER: ["kv_first", "registration_first", "x"],
+        semconv.VLLM_TIME_TO_FIRST_TOKEN: [0.01, "0.2", 0, "soon", float("inf"), -1.0, 1e30],
+        semconv.ATTR_FAILURE_CAUSE: ["timeout"],
+    }
+    wrong.update({key: [1e12, "a lot", float("nan"), -4, 2**31, 7] for key in semconv.CLIENT_ATTRIBUTES})
+    base = 1_700_000_000_000_000_000 + rng.randint(0, 10**9)
+    spans = []
+    for _ in range(rng.randint(1, 25)):
+        start = base + rng.choice([0, 0, rng.randint(-10**9, 10**9)])
+        attrs = {key: rng.choice(values) for key, values in wrong.items() if rng.random() < 0.2}
+        spans.append(SpanRow(b"t" * 16, rng.randbytes(8), rng.choice([b"", rng.randbytes(8)]),
+                             rng.choice(["pd.request", "kvtrace.client.request", "llm_request", "foo"]), start,
+                             start + rng.choice([0, 1, rng.randint(0, 10**9)]), rng.choice([0, 1, 2]),
+                             rng.choice(origins), rng.choice(stages), attrs))
+    return spans
+
+
+def test_hostile_senders_cost_a_trace_its_details_never_its_breakdown_nor_the_store(tmp_path):
+    """3,000 random traces from senders that get everything wrong (times in any order, first tokens before
+    the start, ranks of any side, detail attributes that are no numbers, NaN, negative, past int32 or
+    int64): each is attributed without an error and within 5 s, its parts are none negative and sum to
+    its TTFT, which is never negative, its segments cover it, it has a sentence, and the store takes every
+    row in one flush. Before, a string where a count belonged lost the trace's breakdown, and one prompt of
+    3e9 tokens (a valid int64) failed every later flush of the store."""
+    import random
+    import threading
+
+    from kvtrace.collectors.breakdown import STAGE_KEYS
+    from kvtrace.collectors.clocks import ClockBook
+    from kvtrace.collectors.model import Origin
+    from kvtrace.collectors.store import Store
+    from kvtrace.telemetry import semconv
+
+    rng = random.Random(20261203)
+    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}", semconv.RES_SERVICE_INSTANCE_ID: f"inst{rng.randint(0, 6)}",
+                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", "gateway", ""]),
+                          semconv.RES_MODE: rng.choice(["push", "pull", "", "weird"]),
+                          semconv.RES_HOST_NAME: rng.choice(["h0", "h1", ""]),
+                          semconv.RES_CONTRACT_VERSION: rng.choice([0, 1, 2, 3, "x"])}) for i in range(12)]
+    stages = sorted({stage for _, stage in STAGE_KEYS}) + ["x", "gateway_request", "llm_request"]
+    attributor = Attributor(ClockBook())
+    breakdowns = []
+    for n in range(3_000):
+        spans = _hostile_trace(rng, origins, stages)
+        done: list = []
+
+        def attribute_one(trace_id=f"{n:032x}", spans=spans) -> None:
+            try:
+                done.append(attributor.attribute(trace_id, spans))
+            except Exception as exc:  # raised below, in the test's thread
+                done.append(exc)
+        worker = threading.Thread(target=attribute_one, daemon=True)
+        worker.start()
+        worker.join(5)
+        assert done, f"trace {n}: no breakdown within 5 s"
+        breakdown = done[0]
+        if isinstance(breakdown, Exception):
+            raise AssertionError(f"trace {n} could not be attributed") from breakdown
+        if breakdown is None:
+            continue
+        assert breakdown.ttft_ns >= 0 and sum(breakdown.parts.values()) == breakdown.ttft_ns, n
+        assert all(v >= 0 for v in breakdown.parts.values()) and all(v >= 0 for v in breakdown.critical_ns.values())
+        assert sum(end - start for _, start, end in breakdown.segments) == breakdown.ttft_ns
+        assert breakdown.explanation
+        breakdowns.append(breakdown)
+    assert len(breakdowns) > 2_000
+    store = Store(str(tmp_path / "hostile.duckdb"))
+    try:
+        for breakdown in breakdowns:
+            store.add_breakdown(breakdown)
+        store.flush()
+        stored = store.query("SELECT count(*), max(prompt_tokens), max(block_count), max(transfer_bytes) FROM requests")[0]
+    finally:
+        store.shutdown()
+    assert stored[0] == len(breakdowns) and stored[1] < 2**31 and stored[2] < 2**31 and stored[3] < 2**63
+
+
+def test_a_bad_detail_value_is_left_out_and_the_good_ones_kept():
+    """P's prefill says 3e9 prompt tokens (a valid int64, past the int32 column) and its WRITE's size is
+    no number: those two are left out, the 2,000 prompt tokens D's allocation says stand, and the router's
+    TTFT given as a word falls back to D's first token."""
+    from kvtrace.telemetry import semconv
+
+    built = build("push")
+    rows = []
+    for row in (r for request in built.requests for r in SpanBatch.of(request).rows):
+        if row.stage == "prefill" and row.origin.side == "prefill":
+            row = row._replace(attrs={**row.attrs, semconv.ATTR_INPUT_TOKENS: 3_000_000_000})
+        elif row.stage == "allocation":
+            row = row._replace(attrs={**row.attrs, semconv.ATTR_INPUT_TOKENS: 2000})
+        elif row.stage == "write":
+            row = row._replace(attrs={**row.attrs, semconv.ATTR_TRANSFER_BYTES: "many"})
+        elif row.stage == "pd_request":
+            row = row._replace(attrs={**row.attrs, semconv.ATTR_ROUTER_TTFT_NS: "soon"})
+        rows.append(row)
+    clean = attribute(built)
+    breakdown = Attributor().attribute(built.trace_id, rows)
+    assert breakdown.prompt_tokens == 2000
+    assert breakdown.transfer_bytes == 0 < clean.transfer_bytes
+    assert breakdown.ttft_ns == clean.timings[("decode", "first_token")][1] - clean.start_ns
+    check_invariants(breakdown)
