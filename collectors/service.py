@@ -247,7 +247,7 @@ class Collector:
         # The pipeline allocates many short-lived objects per span, and holds those of up to a store
         # flush's worth of spans (~7 tracked objects each) until the flush: a young generation smaller than
         # that is scanned while they all still live. At 50,000 the young collections cost 0.56 µs a span
-        # (9 % of the pipeline), at 500,000 none: the pipeline makes no reference cycles (0 found after
+        # (7 % of the pipeline), at 500,000 none: the pipeline makes no reference cycles (0 found after
         # 210,000 spans), so refcounting frees everything and the young count never reaches it. Garbage in
         # cycles elsewhere waits for 500,000 objects at most.
         gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)

@@ -141,7 +141,7 @@ def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
 def test_the_pipeline_leaves_no_reference_cycles(tmp_path):
     """What lets the collector set the GC's young threshold high (``service.GC_YOUNG_THRESHOLD``): decoding,
     logging, storing, assembling, attributing, forwarding and flushing traces of every shape leave no
-    garbage that only the cyclic GC would free (its young collections used to cost ~9 % of the pipeline)."""
+    garbage that only the cyclic GC would free (its young collections used to cost ~7 % of the pipeline)."""
     import gc
 
     from kvtrace.collectors.config import CollectorConfig
