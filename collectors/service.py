@@ -245,7 +245,7 @@ class Collector:
     def start(self) -> None:
         c = self.config
         # The pipeline allocates many short-lived objects per span, and holds those of up to a store
-        # flush's worth of spans (~7 tracked objects each) until the flush: a young generation smaller than
+        # flush's worth of spans until the flush: a young generation smaller than
         # that is scanned while they all still live. At 50,000 the young collections cost 0.56 µs a span
         # (7 % of the pipeline), at 500,000 none: the pipeline makes no reference cycles (0 found after
         # 210,000 spans), so refcounting frees everything and the young count never reaches it. Garbage in
