@@ -378,21 +378,18 @@ class ClickHouseStore(BufferedStore):
     def compact(self, until: datetime | None = None) -> None:
         """Nothing to do: the rollups are views, and ClickHouse merges parts itself."""
 
-    def flush(self) -> None:
-        """Write everything buffered: spans, then requests and the rest, then this flush's commit row.
-        A failed write puts the buffers back (rows already written collapse when they are written again)."""
-        pending = self.take()
-        if pending.empty():
-            return
-        with self._db_lock, self.putting_back(pending):
+    def _write(self, pending: Pending) -> None:
+        """Spans, then requests and the rest, then this flush's commit row. Rows a failed write had already
+        written collapse when they are written again."""
+        with self._db_lock:
             flush_id = next(self._flush_ids)
-            self._write(pending, flush_id)
+            self._write_tables(pending, flush_id)
             self.data_version = flush_id
             self.committed_at = time.time()
         if pending.position is not None:
             self.committed_position = pending.position
 
-    def _write(self, pending: Pending, flush_id: int) -> None:
+    def _write_tables(self, pending: Pending, flush_id: int) -> None:
         client, decided, position = self._client, pending.decided, pending.position
         spans = [row for rows in pending.batches for row in rows]
         if spans:

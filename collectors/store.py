@@ -50,6 +50,9 @@ Each checkpoint rewrites the tables' last row groups and the requests' key index
 store grows: at 256 MB the flushes and checkpoints of 1 M spans cost ~0.8 µs less per span
 (bench/collector_stages.py). The price is a bigger WAL for DuckDB to replay when the collector was
 killed; a clean stop checkpoints."""
+ISOLATE_AFTER = 3
+"""Flushes failed in a row before the writer looks for a decided trace the store cannot take
+(:meth:`BufferedStore._isolate`)."""
 _ADD_ROLLUPS = schema.rollup_statements("flush_id = ?", 1)
 _RETRACT_ROLLUPS = schema.rollup_statements("trace_id IN (SELECT unnest(?))", -1)
 
@@ -92,6 +95,7 @@ class BufferedStore:
         self._position: tuple[int, int] | None = None
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
         self.committed_at = 0.0  # wall time of this process's last commit
+        self.dropped_decisions = 0  # breakdowns the store could not take, dropped by _isolate
         self._flush_interval = flush_interval_s
         self._flush_rows = flush_rows
         self._wake = threading.Event()
@@ -105,6 +109,16 @@ class BufferedStore:
         raise NotImplementedError
 
     def flush(self) -> None:
+        """Commit everything buffered (the writer thread calls this; so may a test). If the commit fails,
+        nothing of it counts and the rows go back for the next flush."""
+        pending = self.take()
+        if pending.empty():
+            return
+        with self.putting_back(pending):
+            self._write(pending)
+
+    def _write(self, pending: Pending) -> None:
+        """One commit of ``pending``; raises if it fails."""
         raise NotImplementedError
 
     def _close(self) -> None:
@@ -120,15 +134,63 @@ class BufferedStore:
         self._thread.start()
 
     def _run(self) -> None:
+        failures = 0  # flushes failed in a row
         while not self._stop.is_set():
             self._wake.wait(self._flush_interval)
             self._wake.clear()
             try:
                 self.flush()
+                failures = 0
             except Exception:  # the rows went back to the buffers (putting_back): the next flush retries
+                failures += 1
                 logger.exception("kvtrace store: a flush into %s failed; retrying", self.path)
-                time.sleep(1.0)
+                if failures >= ISOLATE_AFTER:
+                    failures = 0
+                    self._isolate()
+                else:
+                    time.sleep(1.0)
             self._between_flushes()
+
+    def _isolate(self) -> None:
+        """After :data:`ISOLATE_AFTER` failed flushes in a row: commit all but the decided traces, then those
+        in halves, so that a breakdown the store cannot take (tried alone twice) is dropped, with an error
+        naming its trace, and every other row is kept (before, one such row failed every later flush).
+        Where all but the decided traces fails too (even nothing at all: the commit's own record), the fault
+        is not in a row (the disk, the server): everything goes back, as after any failed flush."""
+        pending = self.take()
+        try:
+            with self.putting_back(pending):
+                self._write(dataclasses.replace(pending, decided=[]))
+        except Exception:
+            logger.exception("kvtrace store: %s fails without the decided traces too; retrying", self.path)
+            time.sleep(1.0)
+            return
+        _, unstorable = self._write_decisions(pending.decided)
+        for decision, error in unstorable:
+            try:  # once more alone: a failure that passed meanwhile is not the row's
+                self._write(Pending([], [decision], [], [], [], None))
+                continue
+            except Exception as again:
+                error = again
+            self.dropped_decisions += 1
+            logger.error("kvtrace store: dropped the breakdown of trace %s, which %s cannot store (its spans are "
+                         "stored): %s", decision[0].trace_id, self.path, error)
+
+    def _write_decisions(self, decided: list) -> tuple[int, list[tuple[tuple, Exception]]]:
+        """(how many of ``decided`` committed, each that fails alone with its error): halves are committed
+        until each decision either commits or fails alone (with one bad among n, ~2 log2 n commits)."""
+        if not decided:
+            return 0, []
+        try:
+            self._write(Pending([], decided, [], [], [], None))
+            return len(decided), []
+        except Exception as exc:
+            if len(decided) == 1:
+                return 0, [(decided[0], exc)]
+        half = len(decided) // 2
+        stored_first, failed_first = self._write_decisions(decided[:half])
+        stored_second, failed_second = self._write_decisions(decided[half:])
+        return stored_first + stored_second, failed_first + failed_second
 
     def shutdown(self) -> None:
         """Flush and close; safe to call twice."""
@@ -317,13 +379,10 @@ class Store(BufferedStore):
                 con.execute("ROLLBACK")
                 raise
 
-    def flush(self) -> None:
-        """Commit everything buffered as one transaction (the writer thread calls this; so may a test)."""
-        pending = self.take()
-        if pending.empty():
-            return
+    def _write(self, pending: Pending) -> None:
+        """``pending`` as one transaction."""
         batches, decided, position = pending.batches, [(b, replaces) for b, replaces, _ in pending.decided], pending.position
-        with self._db_lock, self.putting_back(pending):  # the origin and stage registries are the writer's too
+        with self._db_lock:  # the origin and stage registries are the writer's too
             flush_id = self.data_version + 1
             new_origins: dict[tuple[str, ...], int] = {}
             new_stages: dict[tuple[str, str], int] = {}

@@ -187,3 +187,71 @@ def test_the_pipeline_leaves_no_reference_cycles(tmp_path):
     finally:
         collector.store.shutdown()
         collector.wal.close()
+
+
+def test_a_breakdown_the_store_cannot_take_is_dropped_and_every_other_row_kept(tmp_path, caplog):
+    """A decided trace whose row the store refuses (here 3e9 prompt tokens, past the int32 column; the
+    attribution bounds today's known causes, this guards against the next) used to fail every later
+    flush: nothing was committed again. After three failed flushes the writer commits the spans and the
+    rest, then the decisions in halves, and drops only that one, with an error naming its trace."""
+    import logging
+
+    from kvtrace.collectors.attribution import Attributor
+    from kvtrace.collectors.store import ISOLATE_AFTER, Store
+
+    def decided(built):
+        return Attributor().attribute(built.trace_id, [r for q in built.requests for r in SpanBatch.of(q).rows])
+
+    builts = [build(mode, request_id=f"cmpl-{i}") for i, mode in enumerate(["push", "pull"] * 3)]
+    bad = decided(builts[2])
+    bad.prompt_tokens = 3_000_000_000
+    store = Store(str(tmp_path / "poison.duckdb"), flush_interval_s=0.05)
+    store.start("test", {})  # its writer thread
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvtrace.collectors.store"):
+            for request in builts[0].requests:
+                store.add_spans(SpanBatch.of(request), None)
+            for built in builts:
+                store.add_breakdown(bad if built is builts[2] else decided(built))
+            assert wait_until(lambda: store.dropped_decisions == 1, timeout_s=30)
+            kept = {row[0] for row in store.query("SELECT trace_id FROM requests")}
+            assert kept == {b.trace_id for b in builts} - {bad.trace_id}
+            assert store.query("SELECT count(*) FROM spans")[0][0] == sum(
+                len(ss.spans) for q in builts[0].requests for rs in q.resource_spans for ss in rs.scope_spans)
+            assert any(bad.trace_id in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+            failed = [r for r in caplog.records if "a flush into" in r.getMessage()]
+            assert len(failed) == ISOLATE_AFTER
+            later = build("push", request_id="cmpl-later")  # and the store goes on committing
+            store.add_breakdown(decided(later))
+            assert wait_until(lambda: store.query("SELECT count(*) FROM requests WHERE trace_id = ?",
+                                                  [later.trace_id])[0][0] == 1)
+    finally:
+        store.shutdown()
+
+
+def test_a_store_that_fails_for_a_while_drops_nothing(tmp_path, monkeypatch):
+    """Writes that fail whatever they hold (a full disk, the server away), for longer than the writer's
+    patience: the isolation finds the rest failing too, puts everything back, and once writes pass again
+    every row is committed; no breakdown is dropped."""
+    from kvtrace.collectors.attribution import Attributor
+    from kvtrace.collectors.store import ISOLATE_AFTER, Store
+
+    builts = [build(mode, request_id=f"cmpl-{i}") for i, mode in enumerate(["push", "pull"] * 2)]
+    store = Store(str(tmp_path / "away.duckdb"), flush_interval_s=0.05)
+    write, calls = store._write, []
+
+    def failing_for_a_while(pending) -> None:
+        calls.append(len(pending.decided))
+        if len(calls) <= 2 * ISOLATE_AFTER + 1:  # three flushes, their isolation, three flushes: then they pass
+            raise OSError("no space left on device")
+        write(pending)
+    monkeypatch.setattr(store, "_write", failing_for_a_while)
+    store.start("test", {})
+    try:
+        for built in builts:
+            store.add_breakdown(Attributor().attribute(built.trace_id,
+                                                       [r for q in built.requests for r in SpanBatch.of(q).rows]))
+        assert wait_until(lambda: store.query("SELECT count(*) FROM requests")[0][0] == len(builts), timeout_s=30)
+        assert store.dropped_decisions == 0 and len(calls) > 2 * ISOLATE_AFTER + 1
+    finally:
+        store.shutdown()
