@@ -36,7 +36,7 @@ from .breakdown import (
 )
 from .clocks import ClockAligner, ClockBook
 from .explain import explain
-from .model import INT32_MAX, INT64_MAX, SpanRow, whole_number
+from .model import INT32_MAX, INT64_MAX, SpanRow, finite_number, whole_number
 from .wire import native
 
 # For each stage on the critical path, the stages it waits for (the one that ended last wins).
@@ -380,7 +380,7 @@ def walk_python(timings: dict[tuple[str, str], tuple[int, int, str]], graph, sta
     return parts, critical, segments
 
 
-# The walk's constants, for the native half (_otlp.c: the same walk in C, ~6 µs a trace less).
+# The walk's constants, for the native half (_otlp.c: the same walk in C, 2.5-3.0 µs a trace against 5.5).
 _WALK_CONFIG = (frozenset(DERIVED), ROOT, GAP, semconv.CATEGORY_NAMES, _COORDINATION, _UNATTRIBUTED,
                 (DECODE_LEG, D_OUTPUT, FIRST_TOKEN))
 
@@ -428,11 +428,8 @@ def _first_token_out(spans: list[SpanRow], d_offset: int) -> int:
 def _seconds_ns(value: Any) -> int | None:
     """vLLM's time to first token (seconds, a double) in ns; None for anything that is no finite duration
     under a day."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        return None
-    return int(seconds * 1e9) if 0 <= seconds < 86_400 else None  # NaN fails both comparisons
+    seconds = finite_number(value)
+    return int(seconds * 1e9) if seconds is not None and 0 <= seconds < 86_400 else None
 
 
 def _add_relay(timings: dict[tuple[str, str], tuple[int, int, str]]) -> None:

@@ -89,6 +89,15 @@ def whole_number(value: Any, limit: int = INT64_MAX) -> int | None:
     return None
 
 
+def finite_number(value: Any) -> float | None:
+    """A sender's attribute as a finite float; None for anything else (a word, NaN, infinity)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def value_of(v: Any) -> Any:
     """An OTLP ``AnyValue`` as Python, for the scalar kinds kvtrace reads.
 

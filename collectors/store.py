@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import operator
 import threading
 import time
@@ -33,7 +32,7 @@ from kvtrace.telemetry import semconv
 
 from . import schema
 from .breakdown import Breakdown, category_of
-from .model import INT32_MAX, Origin, SpanBatch, SpanColumns, whole_number
+from .model import INT32_MAX, Origin, SpanBatch, SpanColumns, finite_number, whole_number
 from .wire import native
 
 logger = logging.getLogger(__name__)
@@ -165,32 +164,25 @@ class BufferedStore:
             logger.exception("kvtrace store: %s fails without the decided traces too; retrying", self.path)
             time.sleep(1.0)
             return
-        _, unstorable = self._write_decisions(pending.decided)
-        for decision, error in unstorable:
-            try:  # once more alone: a failure that passed meanwhile is not the row's
-                self._write(Pending([], [decision], [], [], [], None))
-                continue
-            except Exception as again:
-                error = again
+        failed = [decision for decision, _ in self._unstorable(pending.decided)]
+        for (breakdown, _, _), error in self._unstorable(failed):  # once more: a failure that passed is not the row's
             self.dropped_decisions += 1
             logger.error("kvtrace store: dropped the breakdown of trace %s, which %s cannot store (its spans are "
-                         "stored): %s", decision[0].trace_id, self.path, error)
+                         "stored): %s", breakdown.trace_id, self.path, error)
 
-    def _write_decisions(self, decided: list) -> tuple[int, list[tuple[tuple, Exception]]]:
-        """(how many of ``decided`` committed, each that fails alone with its error): halves are committed
-        until each decision either commits or fails alone (with one bad among n, ~2 log2 n commits)."""
+    def _unstorable(self, decided: list) -> list[tuple[tuple, Exception]]:
+        """Each of ``decided`` that fails alone, with its error; the others are committed, halves at a
+        time (with one bad among n, ~2 log2 n commits)."""
         if not decided:
-            return 0, []
+            return []
         try:
             self._write(Pending([], decided, [], [], [], None))
-            return len(decided), []
+            return []
         except Exception as exc:
             if len(decided) == 1:
-                return 0, [(decided[0], exc)]
+                return [(decided[0], exc)]
         half = len(decided) // 2
-        stored_first, failed_first = self._write_decisions(decided[:half])
-        stored_second, failed_second = self._write_decisions(decided[half:])
-        return stored_first + stored_second, failed_first + failed_second
+        return self._unstorable(decided[:half]) + self._unstorable(decided[half:])
 
     def shutdown(self) -> None:
         """Flush and close; safe to call twice."""
@@ -660,13 +652,8 @@ def _client_value(client: dict[str, float], key: str, scale: float | None, kind:
         return None
     if kind == pa.int32():
         return whole_number(value, INT32_MAX)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    if not math.isfinite(number):
-        return None
-    return number / scale if scale else number
+    number = finite_number(value)
+    return number / scale if scale and number is not None else number
 
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
