@@ -10,6 +10,13 @@ from tests.collectors.traces import MS, build, shuffled_span_requests
 CATEGORIES = ("compute", "queue", "coordination", "wire", "unattributed")
 
 
+def decided(built):
+    """The breakdown the collector makes of a built trace."""
+    from kvtrace.collectors.attribution import Attributor
+
+    return Attributor().attribute(built.trace_id, [r for q in built.requests for r in SpanBatch.of(q).rows])
+
+
 def requests_rows(collector):
     collector.store.flush()
     return collector.store.query(
@@ -101,14 +108,10 @@ def test_a_trace_that_cannot_be_attributed_does_not_stop_the_others(make_collect
 def test_every_requests_column_is_written_by_the_store(make_collector):
     """Requests are inserted by column name: the table the writer builds must name every column of
     ``requests`` (a column it forgot would otherwise be silently NULL) and no other."""
-    from kvtrace.collectors.attribution import Attributor
     from kvtrace.collectors.store import request_table
 
     collector = make_collector()
-    built = build("push")
-    rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
-    breakdown = Attributor().attribute(built.trace_id, rows)
-    written = request_table([breakdown], 1, {}, lambda key: 1).column_names
+    written = request_table([decided(build("push"))], 1, {}, lambda key: 1).column_names
     declared = [name for name, *_ in collector.store.query("DESCRIBE requests")]
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))
 
@@ -118,12 +121,10 @@ def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
     """``store.stage_columns`` natively and in Python: the same ids (new stages assigned in the same
     order), times and offsets, over traces of every shape (TP ranks, a gateway's, failed, incomplete)."""
     from kvtrace.collectors import store
-    from kvtrace.collectors.attribution import Attributor
 
     cases = [build("push", "kv_first"), build("pull", late_rank_ms=3), build("push", drop={"decode:completion"}),
              build("pull", fail="read"), build("push", router="gw", contract=1), build("push", drop={"router"})]
-    breakdowns = [Attributor().attribute(b.trace_id, [r for q in b.requests for r in SpanBatch.of(q).rows])
-                  for b in cases]
+    breakdowns = [decided(b) for b in cases]
     results = []
     for native in (store.native, None):
         monkeypatch.setattr(store, "native", native)
@@ -196,11 +197,7 @@ def test_a_breakdown_the_store_cannot_take_is_dropped_and_every_other_row_kept(t
     rest, then the decisions in halves, and drops only that one, with an error naming its trace."""
     import logging
 
-    from kvtrace.collectors.attribution import Attributor
     from kvtrace.collectors.store import ISOLATE_AFTER, Store
-
-    def decided(built):
-        return Attributor().attribute(built.trace_id, [r for q in built.requests for r in SpanBatch.of(q).rows])
 
     builts = [build(mode, request_id=f"cmpl-{i}") for i, mode in enumerate(["push", "pull"] * 3)]
     bad = decided(builts[2])
@@ -233,7 +230,6 @@ def test_a_store_that_fails_for_a_while_drops_nothing(tmp_path, monkeypatch):
     """Writes that fail whatever they hold (a full disk, the server away), for longer than the writer's
     patience: the isolation finds the rest failing too, puts everything back, and once writes pass again
     every row is committed; no breakdown is dropped."""
-    from kvtrace.collectors.attribution import Attributor
     from kvtrace.collectors.store import ISOLATE_AFTER, Store
 
     builts = [build(mode, request_id=f"cmpl-{i}") for i, mode in enumerate(["push", "pull"] * 2)]
@@ -249,8 +245,7 @@ def test_a_store_that_fails_for_a_while_drops_nothing(tmp_path, monkeypatch):
     store.start("test", {})
     try:
         for built in builts:
-            store.add_breakdown(Attributor().attribute(built.trace_id,
-                                                       [r for q in built.requests for r in SpanBatch.of(q).rows]))
+            store.add_breakdown(decided(built))
         assert wait_until(lambda: store.query("SELECT count(*) FROM requests")[0][0] == len(builts), timeout_s=30)
         assert store.dropped_decisions == 0 and len(calls) > 2 * ISOLATE_AFTER + 1
     finally:
