@@ -130,6 +130,8 @@ def server_side(db: str, rounds: int) -> dict[str, dict[str, list[float]]]:
             results[page]["paint"].append(time.perf_counter() - t)
             results[page]["paint_q"].append(spent[0])
             assert not at.exception, (page, [e.value for e in at.exception])
+            at.session_state["f_open"] = True  # the sidebar's "Filters" opened: the widgets are drawn
+            at.run()
             at.selectbox(key="f_window").set_value("6h")
             at.multiselect(key="f_modes").set_value(["push"])
             spent[0] = 0.0

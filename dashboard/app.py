@@ -40,7 +40,6 @@ PAGES = [
 ICON = str(Path(__file__).with_name("icon.png"))
 st.logo(ICON, size="large")
 page = st.navigation(PAGES)
-st.sidebar.markdown("**kvtrace** · filters")
 options = ui.store_options()
 st.session_state["store_options"] = options
 st.session_state["filters"] = ui.sidebar_filters(options)

@@ -94,13 +94,44 @@ def test_overview_numbers_are_the_stores(monkeypatch, stores):
         assert sum(t["x"][t["y"].index(mode)] for t in shares["data"]) == pytest.approx(100)
 
 
+def _summary(at: AppTest) -> str:
+    """The sidebar's one line saying what the filters select."""
+    return next(c.value for c in at.sidebar.caption if " · " in c.value and "requests" not in c.value)
+
+
 def test_filters_come_from_the_url_and_narrow_the_numbers(monkeypatch, stores):
     at = _app(monkeypatch, stores["mixed"], mode="pull")
-    assert at.session_state["f_modes"] == ["pull"]
+    assert _summary(at) == "All data · pull"
     assert _metrics(at)["Requests"] == "4"  # the pull traces (one of them failed)
     assert at.query_params["mode"] == "pull"  # kept in the URL: the view is a link
+    at.session_state["f_open"] = True  # the user opens the sidebar's "Filters"
+    at.run()
+    assert at.multiselect(key="f_modes").value == ["pull"]  # the widget starts from the link's filter
     at.multiselect(key="f_modes").set_value(["push"]).run()
     assert _metrics(at)["Requests"] == "6" and at.query_params["mode"] == "push"
+    assert _summary(at) == "All data · push"
+    assert not at.exception
+
+
+def test_filter_widgets_are_drawn_only_while_opened_and_their_choice_outlives_them(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"])
+    assert not at.sidebar.selectbox and not at.sidebar.multiselect  # closed: the first paint draws no widget
+    assert _summary(at) == "All data · pull and push"
+    at.session_state["f_open"] = True
+    at.run()
+    at.selectbox(key="f_window").set_value("24h")
+    at.multiselect(key="f_modes").set_value(["pull"]).run()
+    assert _metrics(at)["Requests"] == "4"
+    at.session_state["f_open"] = False  # closed again: the widgets go, the choice stays
+    at.run()
+    assert not at.sidebar.multiselect
+    assert _metrics(at)["Requests"] == "4" and _summary(at) == "Last 24 hours · pull"
+    assert dict(at.query_params) == {"window": "24h", "mode": "pull"}
+    at.switch_page("app_pages/push_vs_pull.py").run()  # and every page reads it
+    assert any("Only one mode" in c.value for c in at.caption)
+    at.session_state["f_open"] = True  # reopened, the widgets start from it
+    at.run()
+    assert at.multiselect(key="f_modes").value == ["pull"] and at.selectbox(key="f_window").value == "24h"
     assert not at.exception
 
 
