@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
 from typing import Any
 
 import streamlit as st
@@ -23,6 +24,19 @@ def side_by_side(*panels: tuple) -> None:
             st.plotly_chart(figure, key=key)
             if caption:
                 st.caption(caption[0])
+
+def lazy_tabs(key: str, sections: dict[str, Callable[[], None]]) -> None:
+    """A page's secondary views in tabs, only the open one drawn (its queries run, its charts sent).
+
+    A page's first chart is drawn in the same browser render as everything after it, so each
+    element under it delays it (another chart ~0.04 s warm): what answers the page's question
+    stays in view, the rest waits for a click (README, "Dashboard at scale"). The open tab is
+    kept per session under ``key``."""
+    for tab, draw in zip(st.tabs(list(sections), key=key, on_change="rerun"), sections.values()):
+        if tab.open:
+            with tab:
+                draw()
+
 
 WINDOWS = {"all": None, "15m": timedelta(minutes=15), "1h": timedelta(hours=1), "6h": timedelta(hours=6),
            "24h": timedelta(hours=24), "7d": timedelta(days=7)}

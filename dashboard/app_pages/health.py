@@ -17,37 +17,42 @@ ui.side_by_side(
                                    if suspect["requests"] else "")),
     ("Offsets applied, per instance", charts.clock_offsets(health["clocks"].to_pylist()), "clocks",
      "What was added to each process's times to put them on its router's clock (mean per interval)."))
-left, right = st.columns(2)
-with left:
-    st.subheader("Unattributed share of TTFT")
-    st.plotly_chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
-    st.caption("Time no span covers. A rising share means a stage stopped reporting, or clocks drifted.")
-with right:
-    st.subheader("Incomplete traces and what they miss")
-    missing = health["missing"].to_pylist()
-    if missing:
-        st.dataframe([{"mode": r["mode"], "missing stages": r["missing"], "requests": r["requests"]} for r in missing],
-                     hide_index=True)
-    else:
-        st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
-
 collector = health["collector"].to_pylist()
-ui.side_by_side(
-    ("Collector: refused, dropped, forwarded", charts.collector_counters(
-        collector, ["requests_rejected", "forward_dropped", "forward_failures", "forwarded_spans"], "count since start"),
-     "counters"),
-    ("Collector: lag and backlog", charts.collector_counters(
-        collector, ["lag_ms", "pending_traces", "queued_requests"], "ms / traces / requests"), "lag"))
-if collector:
-    last = collector[-1]
-    st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "
-               f"traces decided ({ui.count(last['traces_incomplete'])} incomplete, {ui.count(last['traces_late'])} "
-               f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans.")
+fleet = [r for r in collector if r.get("kafka_commits") or r.get("kafka_partitions")]  # kvtrace collector --kafka
 
-fleet = [r for r in collector if r.get("kafka_commits") or r.get("kafka_partitions")]
-if fleet:  # collectors reading Kafka in a consumer group (kvtrace collector --kafka)
+
+def traces() -> None:
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Unattributed share of TTFT")
+        st.plotly_chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
+        st.caption("Time no span covers. A rising share means a stage stopped reporting, or clocks drifted.")
+    with right:
+        st.subheader("Incomplete traces and what they miss")
+        missing = health["missing"].to_pylist()
+        if missing:
+            st.dataframe([{"mode": r["mode"], "missing stages": r["missing"], "requests": r["requests"]} for r in missing],
+                         hide_index=True)
+        else:
+            st.success("Every trace in this selection is complete.", icon=":material/check_circle:")
+
+
+def collector_counters() -> None:
+    ui.side_by_side(
+        ("Collector: refused, dropped, forwarded", charts.collector_counters(
+            collector, ["requests_rejected", "forward_dropped", "forward_failures", "forwarded_spans"], "count since start"),
+         "counters"),
+        ("Collector: lag and backlog", charts.collector_counters(
+            collector, ["lag_ms", "pending_traces", "queued_requests"], "ms / traces / requests"), "lag"))
+    if collector:
+        last = collector[-1]
+        st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "
+                   f"traces decided ({ui.count(last['traces_incomplete'])} incomplete, {ui.count(last['traces_late'])} "
+                   f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans.")
+
+
+def fleet_view() -> None:
     latest = {r["collector_run_id"]: r for r in fleet}  # rows come in time order: each collector's newest
-    st.subheader("Fleet: the collectors reading Kafka")
     st.dataframe([{"collector": run, "partitions owned": r["kafka_partitions"], "consumer lag (messages)": r["kafka_lag"],
                    "traces pending": r["kafka_pending_traces"], "last commit (s ago)": round(r["kafka_commit_age_s"], 1),
                    "rebalances": r["kafka_rebalances"], "messages not keyed by trace id": r["kafka_unkeyed"],
@@ -61,3 +66,7 @@ if fleet:  # collectors reading Kafka in a consumer group (kvtrace collector --k
          "Messages on each collector's partitions not yet read, at its last commit."),
         ("Rebalances per collector", charts.per_collector(fleet, "kafka_rebalances", "rebalances since start"),
          "rebalances", "Each step is a partition assignment or revocation (a collector joined, left or died)."))
+
+
+ui.lazy_tabs("health_tab", {"Unattributed time and incomplete traces": traces, "The collector": collector_counters,
+                            **({"Fleet: the collectors reading Kafka": fleet_view} if fleet else {})})

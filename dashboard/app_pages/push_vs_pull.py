@@ -27,19 +27,24 @@ if {"push", "pull"} <= modes.keys():
 else:
     st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
 
-st.subheader("By prompt length")
-st.plotly_chart(charts.parts_by_length(data.parts_by_length(f).to_pylist()), key="by_length")
 
-st.subheader("The transfer itself")
-transfers = data.transfers(f).to_pylist()
-left, right = st.columns([2, 3])
-with left:
-    st.dataframe([{"mode": t["mode"], "requests": t["requests"], "MB/s (NIXL)": t["mb_per_s"],
-                   "MB per request": t["mb_per_request"], "descriptors": t["descriptors_per_request"],
-                   "post µs": t["post_us_per_request"], "transfer µs": t["xfer_us_per_request"]} for t in transfers],
-                 hide_index=True, column_config={k: st.column_config.NumberColumn(format="%.1f") for k in (
-                     "MB/s (NIXL)", "MB per request", "descriptors", "post µs", "transfer µs")})
-    st.caption("MB/s is bytes over NIXL's own transfer time; post is NIXL's time to hand the request over. "
-               "Per request: means over the selection.")
-with right:
-    st.plotly_chart(charts.transfer_bars(transfers), key="transfers")
+def by_length() -> None:
+    st.plotly_chart(charts.parts_by_length(data.parts_by_length(f).to_pylist()), key="by_length")
+
+
+def transfer() -> None:
+    transfers = data.transfers(f).to_pylist()
+    left, right = st.columns([2, 3])
+    with left:
+        st.dataframe([{"mode": t["mode"], "requests": t["requests"], "MB/s (NIXL)": t["mb_per_s"],
+                       "MB per request": t["mb_per_request"], "descriptors": t["descriptors_per_request"],
+                       "post µs": t["post_us_per_request"], "transfer µs": t["xfer_us_per_request"]} for t in transfers],
+                     hide_index=True, column_config={k: st.column_config.NumberColumn(format="%.1f") for k in (
+                         "MB/s (NIXL)", "MB per request", "descriptors", "post µs", "transfer µs")})
+        st.caption("MB/s is bytes over NIXL's own transfer time; post is NIXL's time to hand the request over. "
+                   "Per request: means over the selection.")
+    with right:
+        st.plotly_chart(charts.transfer_bars(transfers), key="transfers")
+
+
+ui.lazy_tabs("push_vs_pull_tab", {"By prompt length": by_length, "The transfer itself": transfer})

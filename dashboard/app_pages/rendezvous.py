@@ -15,8 +15,15 @@ rendezvous = data.rendezvous(f)
 ui.side_by_side(
     ("Which half arrived first, over time", charts.order_over_time(rendezvous["over_time"].to_pylist()), "order_time"),
     ("Per prefill × decode pair", charts.order_by_pair(rendezvous["by_pair"].to_pylist()), "order_pair"))
-ui.side_by_side(
-    ("Coordination given the order", charts.coordination_by_order(rendezvous["by_order"].to_pylist()), "order_coord"),
-    ("What early binding costs: KV blocks held on D", charts.kv_hold(data.kv_hold(f).to_pylist()), "kv_hold",
-     "From D's allocation to the transfer's completion on D: in push D allocates while P prefills, in pull only "
-     "after. Block·seconds = blocks allocated × time held."))
+
+
+def kv_hold() -> None:
+    st.plotly_chart(charts.kv_hold(data.kv_hold(f).to_pylist()), key="kv_hold")
+    st.caption("From D's allocation to the transfer's completion on D: in push D allocates while P prefills, in "
+               "pull only after. Block·seconds = blocks allocated × time held.")
+
+
+ui.lazy_tabs("rendezvous_tab", {
+    "Coordination given the order": lambda: st.plotly_chart(
+        charts.coordination_by_order(rendezvous["by_order"].to_pylist()), key="order_coord"),
+    "What early binding costs: KV blocks held on D": kv_hold})

@@ -46,33 +46,39 @@ if settings.apm_url:
     st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")
 
 st.plotly_chart(charts.waterfall(stages + ranks, request["ttft_ms"], reference), key="waterfall")
-if ranks:
-    st.caption("Stages recorded by several processes of one side (tensor-parallel ranks) span from the first "
-               "rank's start to the last one's end: the KV cache has landed when the last rank's transfer has.")
-    st.dataframe([{"stage": f"{r['side']}:{r['stage']}", "rank": r["rank"], "instance": charts.short_instance(r["instance"]),
-                   "start (ms)": r["start_ms"], "duration (ms)": r["duration_ms"], "bytes": r["bytes"]}
-                  for r in ranks], hide_index=True, column_config={
-        c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)")})
 offsets = request["clock_offsets"]
 st.caption(f"Clock offsets applied to put every process on {'the router' if reference == 'router' else 'P'}'s clock: " + (
     ", ".join(f"{charts.short_instance(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
     or "none") + ".")
 
-left, right = st.columns([2, 3])
-with left:
-    st.subheader("Breakdown")
+
+
+def breakdown() -> None:
     table = [{"part": part, "ms": request[column], "share": request[column] / request["ttft_ms"] * 100
               if request["ttft_ms"] else 0.0} for part, column in zip(PARTS, PART_COLUMNS)]
     table.append({"part": "TTFT (sum)", "ms": sum(request[c] for c in PART_COLUMNS), "share": 100.0})
     st.dataframe(table, hide_index=True, column_config={"ms": st.column_config.NumberColumn(format="%.3f"),
                                                          "share": st.column_config.NumberColumn("share (%)",
                                                                                                 format="%.1f")})
-with right:
-    st.subheader("Stages")
+
+
+def stage_table() -> None:
     st.dataframe([{"lane": charts.lane(s["side"], s["stage"]), "stage": s["stage"], "category": s["category"],
                    "start (ms)": s["start_ms"], "duration (ms)": s["duration_ms"], "critical (ms)": s["critical_ms"]}
                   for s in stages], hide_index=True, column_config={
         c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)", "critical (ms)")})
+
+
+def rank_table() -> None:
+    st.caption("Stages recorded by several processes of one side (tensor-parallel ranks) span from the first "
+               "rank's start to the last one's end: the KV cache has landed when the last rank's transfer has.")
+    st.dataframe([{"stage": f"{r['side']}:{r['stage']}", "rank": r["rank"], "instance": charts.short_instance(r["instance"]),
+                   "start (ms)": r["start_ms"], "duration (ms)": r["duration_ms"], "bytes": r["bytes"]}
+                  for r in ranks], hide_index=True, column_config={
+        c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)")})
+
+
+ui.lazy_tabs("trace_tab", {"Breakdown": breakdown, "Stages": stage_table, **({"Ranks": rank_table} if ranks else {})})
 if not spans:
     st.caption("The original spans (every attribute) are no longer in the collector's archive; the stages above "
                "are the stored breakdown.")

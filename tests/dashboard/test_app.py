@@ -50,6 +50,23 @@ def _figures(at: AppTest) -> list[dict]:
     return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
 
 
+def _open_tab(at: AppTest, page: str, label: str) -> AppTest:
+    """Click a page's tab (``ui.lazy_tabs``, keyed ``<page>_tab``): only the open one is drawn."""
+    at.session_state[f"{page}_tab"] = label
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _every_tab(at: AppTest, page: str) -> list[dict]:
+    """The page's figures with each of its tabs opened in turn: what is drawn on arrival, then each tab's."""
+    labels = [tab.label for tab in at.tabs]
+    seen = {json.dumps(figure, sort_keys=True): figure for figure in _figures(at)}
+    for label in labels[1:]:  # the first is open on arrival
+        seen.update({json.dumps(figure, sort_keys=True): figure for figure in _figures(_open_tab(at, page, label))})
+    return list(seen.values())
+
+
 def _metrics(at: AppTest) -> dict[str, str]:
     return {m.label: m.value for m in at.metric}
 
@@ -66,12 +83,28 @@ def test_every_page_renders_its_charts(monkeypatch, stores, page):
     for store in ("push", "mixed"):
         at = _app(monkeypatch, stores[store], page)
         assert at.get("plotly_chart"), f"{page} on {store}: no chart"
-        for figure in _figures(at):
+        for figure in _every_tab(at, page):
             for axis in ("xaxis", "yaxis"):  # units on every axis that is shown
                 layout = figure["layout"].get(axis, {})
                 if layout.get("visible", True) and figure["data"] and figure["data"][0].get("type") != "heatmap":
                     title = (layout.get("title") or {}).get("text")
                     assert title or axis == "yaxis" and figure["data"][0].get("orientation") == "h", (page, axis)
+
+
+def test_a_pages_secondary_views_are_drawn_only_when_their_tab_is_opened(monkeypatch, stores):
+    def x_titles(at):
+        return [(f["layout"]["xaxis"].get("title") or {}).get("text") for f in _figures(at)]
+
+    at = _app(monkeypatch, stores["mixed"])
+    assert [tab.label for tab in at.tabs] == ["A typical request against the slowest 1 %", "TTFT over time"]
+    assert len(_figures(at)) == 3 and "time (UTC)" not in x_titles(at)  # two by mode, the open tab's cohorts
+    _open_tab(at, "overview", "TTFT over time")
+    assert len(_figures(at)) == 3 and "time (UTC)" in x_titles(at)  # the cohorts went, the line came
+    at.switch_page("app_pages/push_vs_pull.py").run()
+    assert len(_figures(at)) == 3  # the CDF, the parts side by side, the open tab's lengths: not the transfer
+    assert len(at.dataframe) == 1  # the parts' difference, not the transfer's table
+    _open_tab(at, "push_vs_pull", "The transfer itself")
+    assert len(at.dataframe) == 2 and any("MB/s (NIXL)" in d.value.columns for d in at.dataframe)
 
 
 def test_overview_numbers_are_the_stores(monkeypatch, stores):
@@ -239,11 +272,12 @@ def test_the_trace_page_names_the_ttft_reference_and_draws_each_tp_rank(monkeypa
     no_router, tp2 = stores["behind_traces"]
     at = _app(monkeypatch, stores["behind"], "trace", trace_id=no_router.trace_id)
     assert "TTFT (from engine)" in _metrics(at)
-    stages = at.dataframe[1].value
+    assert [tab.label for tab in at.tabs] == ["Breakdown", "Stages"]  # no TP: no ranks' tab
+    stages = _open_tab(at, "trace", "Stages").dataframe[0].value
     assert "relay" in set(stages["stage"])  # P's answer to D's leg, through the other router
     at = _app(monkeypatch, stores["behind"], "trace", trace_id=tp2.trace_id)
     assert "TTFT (from router)" in _metrics(at)
-    ranks = at.dataframe[0].value  # the ranks' table comes first, under the waterfall
+    ranks = _open_tab(at, "trace", "Ranks").dataframe[0].value
     assert list(ranks["rank"]) == [0, 1] and set(ranks["stage"]) == {"prefill:write"}
     assert list(ranks["duration (ms)"]) == pytest.approx([5.0, 11.0]) and list(ranks["bytes"]) == [2_097_152] * 2
     lanes = {y for figure in _figures(at) for trace in figure["data"] for y in trace.get("y", [])}
@@ -316,7 +350,7 @@ def test_health_shows_each_fleet_collector_and_warns_of_unkeyed_messages(monkeyp
         con.execute(f"INSERT INTO collector_health (collector_run_id, recorded_at, {', '.join(values)}) VALUES "
                     f"(?, ?, {', '.join('?' * len(values))})", [run, now + timedelta(seconds=i), *values.values()])
     con.close()
-    at = _app(monkeypatch, db, "health")
+    at = _open_tab(_app(monkeypatch, db, "health"), "health", "Fleet: the collectors reading Kafka")
     table = next(d.value for d in at.dataframe if "partitions owned" in d.value.columns).to_dict("records")
     assert [(r["collector"], r["partitions owned"], r["consumer lag (messages)"]) for r in table] == \
            [("c-a", 3, 40), ("c-b", 3, 7)]

@@ -31,17 +31,21 @@ from tests.helpers import wait_until
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / ".artifacts" / "screenshots"
 REFRESH_S = 2.0
-PAGES = {  # url path -> legend entries its charts must show
-    "": {"compute", "queue", "coordination", "wire", "unattributed", "push p50", "pull p99"},
-    "push-vs-pull": {"push", "pull", "NIXL post", "NIXL transfer"},
+PAGES = {  # url path -> legend entries its charts must show on arrival
+    "": {"compute", "queue", "coordination", "wire", "unattributed"},
+    "push-vs-pull": {"push", "pull"},
     "stages": {"push", "pull"},
     "rendezvous": {"registration_first", "kv_first", "coordination", "TTFT"},
     "decode": {"TPOT p50", "TPOT p90", "push", "pull"},
     "slow": {"push (sample)", "push slowest", "pull (sample)"},
     "trace": {"compute", "wire", "critical path", "request"},
-    "health": {"push", "pull", "requests rejected", "lag ms"},
+    "health": {"push", "pull"},
 }
-
+TABS = {  # url path -> a tab drawn only when clicked (ui.lazy_tabs), and the legend entries it brings
+    "": ("TTFT over time", {"push p50", "pull p99"}),
+    "push-vs-pull": ("The transfer itself", {"NIXL post", "NIXL transfer"}),
+    "health": ("The collector", {"requests rejected", "lag ms"}),
+}
 
 
 def _post(url: str, body: bytes) -> None:
@@ -158,6 +162,12 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     assert page.locator(".main-svg").count() >= 1
     missing = PAGES[path] - _legend(page)
     assert not missing, f"/{path}: legend lacks {missing}; has {_legend(page)}"
+    if path in TABS:
+        label, legend = TABS[path]
+        assert not legend & _legend(page), f"/{path}: {label!r} drawn before it was opened"
+        page.get_by_role("tab", name=label).click()
+        page.wait_for_function("names => names.every(n => [...document.querySelectorAll('.legendtext')]"
+                               ".some(e => e.textContent.trim() === n))", arg=sorted(legend), timeout=30_000)
     store = "the shared ClickHouse store" if "clickhouse://" in live["db"] else "a running collector"
     assert page.get_by_text(f"reading {store}").count() == 1
     assert not page.outside, page.outside
