@@ -4,8 +4,8 @@ empty and error states, and number formatting."""
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import streamlit as st
@@ -24,6 +24,7 @@ def side_by_side(*panels: tuple) -> None:
             st.plotly_chart(figure, key=key)
             if caption:
                 st.caption(caption[0])
+
 
 def lazy_tabs(key: str, sections: dict[str, Callable[[], None]]) -> None:
     """A page's secondary views in tabs, only the open one drawn (its queries run, its charts sent).
