@@ -366,7 +366,7 @@ class StoreReader:
 
     # ------------------------------------------------------------------ requests
 
-    def requests_sample(self, f: Filters, *, sample: int = 2_000, top: int = 50,
+    def requests_sample(self, f: Filters, *, sample: int = 1_000, top: int = 50,
                         columns: Sequence[str] = ()) -> pa.Table:
         """Requests to plot one by one: a repeatable sample of ``sample`` taken in the database, plus
         the ``top`` slowest always (the tail is what a sample would miss)."""
