@@ -9,6 +9,7 @@ assembled as plain specs and wrapped once (``go.Figure(spec)``): building them c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import timezone
 from typing import Any
@@ -56,15 +57,22 @@ def mode_color(mode: str) -> str:
     return MODE_COLORS.get(mode, "#888888")
 
 
-def empty(message: str) -> go.Figure:
-    return _figure([], x={"visible": False}, y={"visible": False}, height=200, legend=False, annotations=[
-        {"text": message, "showarrow": False, "font": {"size": 14, "color": "#777"}}])
+@dataclasses.dataclass(frozen=True)
+class NoData:
+    """What a chart function returns when its selection holds nothing to draw: the page says why in a
+    line (``ui.chart``) rather than sending the browser an empty Plotly figure, which costs a first paint
+    as much as a full one."""
+    message: str
+
+
+def empty(message: str) -> NoData:
+    return NoData(message)
 
 
 # ------------------------------------------------------------------ parts of TTFT
 
 
-def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share: bool = False) -> go.Figure:
+def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share: bool = False) -> go.Figure | NoData:
     """Horizontal stacked bars of the five parts, one bar per row (its ``label`` names it): mean
     ms, or each part's share of the mean TTFT (%)."""
     if not rows:
@@ -91,7 +99,7 @@ def cohort_rows(cohorts: Sequence[dict]) -> list[dict]:
     return out
 
 
-def parts_side_by_side(rows: Sequence[dict]) -> go.Figure:
+def parts_side_by_side(rows: Sequence[dict]) -> go.Figure | NoData:
     """Each part's mean per mode, grouped by part."""
     if not rows:
         return empty("no complete requests")
@@ -101,7 +109,7 @@ def parts_side_by_side(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("part of TTFT"), y=_axis("mean time per request (ms)"), barmode="group")
 
 
-def ttft_over_time(rows: Sequence[dict]) -> go.Figure:
+def ttft_over_time(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no complete requests in this window")
     data = []
@@ -117,7 +125,7 @@ def ttft_over_time(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("time (UTC)"), y=_axis("TTFT (ms)", rangemode="tozero"))
 
 
-def ttft_cdf(rows: Sequence[dict]) -> go.Figure:
+def ttft_cdf(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no complete requests")
     data = []
@@ -131,7 +139,7 @@ def ttft_cdf(rows: Sequence[dict]) -> go.Figure:
                    y=_axis("requests at or below (%)", range=[0, 101], ticksuffix="%"))
 
 
-def parts_by_length(rows: Sequence[dict]) -> go.Figure:
+def parts_by_length(rows: Sequence[dict]) -> go.Figure | NoData:
     """Per mode (side by side), the mean parts per prompt-length bucket."""
     if not rows:
         return empty("no complete requests")
@@ -157,7 +165,7 @@ def parts_by_length(rows: Sequence[dict]) -> go.Figure:
                    **layout)
 
 
-def transfer_bars(rows: Sequence[dict]) -> go.Figure:
+def transfer_bars(rows: Sequence[dict]) -> go.Figure | NoData:
     """Per mode: NIXL's post time against its transfer time per request (µs)."""
     if not rows:
         return empty("no transfers")
@@ -172,7 +180,7 @@ def transfer_bars(rows: Sequence[dict]) -> go.Figure:
 # ------------------------------------------------------------------ stages
 
 
-def stage_shares(rows: Sequence[dict]) -> go.Figure:
+def stage_shares(rows: Sequence[dict]) -> go.Figure | NoData:
     """Each stage's share of TTFT (its critical time over all TTFT), per mode."""
     rows = [r for r in rows if r["ttft_share"]]
     if not rows:
@@ -187,7 +195,7 @@ def stage_shares(rows: Sequence[dict]) -> go.Figure:
                    y=_axis(None, autorange="reversed"), height=160 + 22 * len(rows), barmode="group")
 
 
-def stage_heatmap(rows: Sequence[dict]) -> go.Figure:
+def stage_heatmap(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no stages in this window")
     keys = sorted({(r["mode"], r["side"], r["stage"]) for r in rows}, key=lambda k: (k[0], semconv.stage_rank(k[2]), k[1]))
@@ -207,7 +215,7 @@ def stage_heatmap(rows: Sequence[dict]) -> go.Figure:
 # ------------------------------------------------------------------ rendezvous
 
 
-def order_over_time(rows: Sequence[dict]) -> go.Figure:
+def order_over_time(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no push requests")
     data = []
@@ -219,7 +227,7 @@ def order_over_time(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("time (UTC)"), y=_axis("requests per interval"))
 
 
-def order_by_pair(rows: Sequence[dict]) -> go.Figure:
+def order_by_pair(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no push requests")
     pairs = sorted({(r["prefill_instance"], r["decode_instance"]) for r in rows})
@@ -233,7 +241,7 @@ def order_by_pair(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("requests"), y=_axis(None), height=140 + 40 * len(pairs), barmode="stack")
 
 
-def coordination_by_order(rows: Sequence[dict]) -> go.Figure:
+def coordination_by_order(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no complete push requests")
     orders = [r["rendezvous_order"] for r in rows]
@@ -244,7 +252,7 @@ def coordination_by_order(rows: Sequence[dict]) -> go.Figure:
     return _figure(data, x=_axis("rendezvous order"), y=_axis("mean per request (ms)"), barmode="group")
 
 
-def kv_hold(rows: Sequence[dict]) -> go.Figure:
+def kv_hold(rows: Sequence[dict]) -> go.Figure | NoData:
     """Per mode: how long D held the blocks (ms) and what that is in block·seconds, side by side."""
     if not rows:
         return empty("no complete requests")
@@ -262,7 +270,7 @@ def kv_hold(rows: Sequence[dict]) -> go.Figure:
 # ------------------------------------------------------------------ decode
 
 
-def tpot_bars(rows: Sequence[dict]) -> go.Figure:
+def tpot_bars(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no request with two or more output tokens")
     modes = [r["mode"] for r in rows]
@@ -282,7 +290,7 @@ Each point costs the browser ~0.13 ms to draw warm, so the sample is no larger t
 show where requests fall (README, "Dashboard at scale")."""
 
 
-def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure:
+def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure | NoData:
     points = [r for r in sample if r.get("tpot_ms")]
     if not points:
         return empty("no request with two or more output tokens")
@@ -304,7 +312,7 @@ def _epoch_ms(moment) -> float:
     return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp() * 1000
 
 
-def slow_scatter(sample: Sequence[dict]) -> go.Figure:
+def slow_scatter(sample: Sequence[dict]) -> go.Figure | NoData:
     """Requests by start time and TTFT. Only the slowest carry their trace id (in the hover): they are the
     ones a user looks up, and ids on all 2,050 points of the former sample cost its first paint ~0.07 s warm."""
     if not sample:
@@ -328,7 +336,7 @@ def slow_scatter(sample: Sequence[dict]) -> go.Figure:
                    height=400, dragmode="select")
 
 
-def compare_parts(rows: Sequence[dict]) -> go.Figure:
+def compare_parts(rows: Sequence[dict]) -> go.Figure | NoData:
     return stacked_parts([{**r, "label": r["group"]} for r in rows], label="label")
 
 
@@ -354,7 +362,7 @@ _TTFT_ENDS = {"router": ("the router received the request (router's clock)", "fi
               "engine": ("P's API server had the request (P's clock)", "D's first token")}
 
 
-def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router") -> go.Figure:
+def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router") -> go.Figure | NoData:
     """One bar per stage on its process's lane (a stage's own ``lane`` where it names one, e.g. a TP
     rank's), coloured by category, on the reference's clock (ms from arrival); the critical path is
     drawn as a dark band over each stage's critical part."""
@@ -462,7 +470,7 @@ def _with_legend_rows(entries: int) -> int:
     return 340 + 20 * max(0, entries - 2)
 
 
-def clock_offsets(rows: Sequence[dict]) -> go.Figure:
+def clock_offsets(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no clock offsets recorded")
     lines, band = _instance_lines(rows, lambda p: max(abs(p["min_ms"]), abs(p["max_ms"])),
@@ -478,7 +486,7 @@ def clock_offsets(rows: Sequence[dict]) -> go.Figure:
                    height=_with_legend_rows(len(lines) + bool(band)))
 
 
-def measured_clocks(rows: Sequence[dict]) -> go.Figure:
+def measured_clocks(rows: Sequence[dict]) -> go.Figure | NoData:
     """Each process's clock offset to the collector as measured by the clock exchange, with its bound."""
     if not rows:
         return empty("no clock exchanges recorded (senders behind another collector, or older kvtrace)")
@@ -494,7 +502,7 @@ def measured_clocks(rows: Sequence[dict]) -> go.Figure:
                    height=_with_legend_rows(len(lines) + bool(band)))
 
 
-def unattributed_share(rows: Sequence[dict]) -> go.Figure:
+def unattributed_share(rows: Sequence[dict]) -> go.Figure | NoData:
     if not rows:
         return empty("no complete requests")
     data = []
@@ -507,7 +515,7 @@ def unattributed_share(rows: Sequence[dict]) -> go.Figure:
                                                         rangemode="tozero"))
 
 
-def collector_counters(rows: Sequence[dict], columns: Sequence[str], title: str) -> go.Figure:
+def collector_counters(rows: Sequence[dict], columns: Sequence[str], title: str) -> go.Figure | NoData:
     if not rows:
         return empty("no collector health recorded in this window")
     data = [{"type": "scatter", "mode": "lines", "name": column.replace("_", " "),

@@ -6,14 +6,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
 from kvtrace.collectors.read import Filters, StoreUnavailable, length_label
 from kvtrace.telemetry import semconv
 
-from . import data
+from . import charts, data
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+
+def chart(figure: go.Figure | charts.NoData, key: str, **options: Any) -> Any:
+    """A figure, or the line saying why there is none (:class:`charts.NoData`); returns what
+    ``st.plotly_chart`` does (a selection event with ``on_select``), None for no data."""
+    if isinstance(figure, charts.NoData):
+        st.info(figure.message[:1].upper() + figure.message[1:] + ".", icon=":material/info:")
+        return None
+    return st.plotly_chart(figure, key=key, **options)
 
 
 def side_by_side(*panels: tuple) -> None:
@@ -21,7 +33,7 @@ def side_by_side(*panels: tuple) -> None:
     for column, (title, figure, key, *caption) in zip(st.columns(len(panels)), panels):
         with column:
             st.subheader(title)
-            st.plotly_chart(figure, key=key)
+            chart(figure, key)
             if caption:
                 st.caption(caption[0])
 

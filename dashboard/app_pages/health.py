@@ -25,7 +25,7 @@ def traces() -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Unattributed share of TTFT")
-        st.plotly_chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
+        ui.chart(charts.unattributed_share(health["unattributed"].to_pylist()), key="unattributed")
         st.caption("Time no span covers. A rising share means a stage stopped reporting, or clocks drifted.")
     with right:
         st.subheader("Incomplete traces and what they miss")

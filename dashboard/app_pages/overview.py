@@ -39,11 +39,11 @@ ui.side_by_side(("Share of TTFT, by mode", charts.stacked_parts(by_mode, share=T
 def cohorts() -> None:
     st.caption("Mean parts of the requests around the median TTFT and of those above the 99th percentile: "
                "what the tail spends its extra time on.")
-    st.plotly_chart(charts.stacked_parts(charts.cohort_rows(data.cohorts(f)), label="label"), key="cohorts")
+    ui.chart(charts.stacked_parts(charts.cohort_rows(data.cohorts(f)), label="label"), key="cohorts")
 
 
 def over_time() -> None:
-    st.plotly_chart(charts.ttft_over_time(data.ttft_over_time(f)), key="ttft_time")
+    ui.chart(charts.ttft_over_time(data.ttft_over_time(f)), key="ttft_time")
 
 
 ui.lazy_tabs("overview_tab", {"A typical request against the slowest 1 %": cohorts, "TTFT over time": over_time})

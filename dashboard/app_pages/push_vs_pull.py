@@ -10,11 +10,11 @@ f, options = ui.page("Push vs pull",
                      "Same workload, two answers: which part of TTFT differs?")
 
 st.subheader("TTFT distribution")
-st.plotly_chart(charts.ttft_cdf(data.ttft_cdf(f)), key="cdf")
+ui.chart(charts.ttft_cdf(data.ttft_cdf(f)), key="cdf")
 
 by_mode = data.parts_by_mode(f).to_pylist()
 st.subheader("Parts of TTFT, side by side")
-st.plotly_chart(charts.parts_side_by_side(by_mode), key="side_by_side")
+ui.chart(charts.parts_side_by_side(by_mode), key="side_by_side")
 modes = {row["mode"]: row for row in by_mode}
 if {"push", "pull"} <= modes.keys():
     push, pull = modes["push"], modes["pull"]
@@ -29,7 +29,7 @@ else:
 
 
 def by_length() -> None:
-    st.plotly_chart(charts.parts_by_length(data.parts_by_length(f).to_pylist()), key="by_length")
+    ui.chart(charts.parts_by_length(data.parts_by_length(f).to_pylist()), key="by_length")
 
 
 def transfer() -> None:
@@ -44,7 +44,7 @@ def transfer() -> None:
         st.caption("MB/s is bytes over NIXL's own transfer time; post is NIXL's time to hand the request over. "
                    "Per request: means over the selection.")
     with right:
-        st.plotly_chart(charts.transfer_bars(transfers), key="transfers")
+        ui.chart(charts.transfer_bars(transfers), key="transfers")
 
 
 ui.lazy_tabs("push_vs_pull_tab", {"By prompt length": by_length, "The transfer itself": transfer})

@@ -18,12 +18,12 @@ ui.side_by_side(
 
 
 def kv_hold() -> None:
-    st.plotly_chart(charts.kv_hold(data.kv_hold(f).to_pylist()), key="kv_hold")
+    ui.chart(charts.kv_hold(data.kv_hold(f).to_pylist()), key="kv_hold")
     st.caption("From D's allocation to the transfer's completion on D: in push D allocates while P prefills, in "
                "pull only after. Block·seconds = blocks allocated × time held.")
 
 
 ui.lazy_tabs("rendezvous_tab", {
-    "Coordination given the order": lambda: st.plotly_chart(
+    "Coordination given the order": lambda: ui.chart(
         charts.coordination_by_order(rendezvous["by_order"].to_pylist()), key="order_coord"),
     "What early binding costs: KV blocks held on D": kv_hold})

@@ -34,8 +34,8 @@ for column, run in ((left, run_a), (right, run_b)):
                    + (f" · {record['kv_bytes_per_token']:,} B of KV per token" if record.get("kv_bytes_per_token") else "")
                    + f" · {record.get('output_tokens')} output tokens · {engines or 'engines unknown'}")
 
-st.plotly_chart(charts.run_ttft(result, run_a, run_b), key="run_ttft")
-st.plotly_chart(charts.run_breakdown(result, run_a, run_b), key="run_breakdown")
+ui.chart(charts.run_ttft(result, run_a, run_b), key="run_ttft")
+ui.chart(charts.run_breakdown(result, run_a, run_b), key="run_breakdown")
 
 st.subheader("Per point")
 rows = []

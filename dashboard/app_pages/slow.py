@@ -12,7 +12,7 @@ f, options = ui.page("Slow requests",
                      "sample taken in the database) and compare them with everything else under the same filters.")
 
 sample = data.requests_sample(f).to_pylist()
-event = st.plotly_chart(charts.slow_scatter(sample), key="slow_scatter", on_select="rerun", selection_mode=("box",))
+event = ui.chart(charts.slow_scatter(sample), key="slow_scatter", on_select="rerun", selection_mode=("box",))
 boxes = (event.selection.get("box") or []) if event and event.selection else []
 
 
@@ -28,7 +28,7 @@ if boxes:
     (x0, x1), (y0, y1) = sorted(box["x"]), sorted(box["y"])
     result = data.compare(f, _time(x0), _time(x1), float(y0), float(y1))
     st.subheader(f"{result['selected']:,} selected requests against the rest")
-    st.plotly_chart(charts.compare_parts(result["parts"]), key="compare_parts")
+    ui.chart(charts.compare_parts(result["parts"]), key="compare_parts")
     columns = st.columns(4)
     for column, (name, title) in zip(columns * 2, [("mode", "mode"), ("rendezvous_order", "rendezvous order"),
                                                    ("length_bucket", "prompt tokens"), ("error", "failed"),

@@ -25,5 +25,5 @@ st.dataframe(
 st.caption("Durations are percentiles from log-bucketed histograms (±4 %); critical time and shares are exact sums.")
 
 ui.lazy_tabs("stages_tab", {
-    "Share of TTFT per stage": lambda: st.plotly_chart(charts.stage_shares(rows), key="shares"),
-    "Stage × time": lambda: st.plotly_chart(charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), key="heatmap")})
+    "Share of TTFT per stage": lambda: ui.chart(charts.stage_shares(rows), key="shares"),
+    "Stage × time": lambda: ui.chart(charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), key="heatmap")})

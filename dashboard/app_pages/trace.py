@@ -45,7 +45,7 @@ settings = data.settings()
 if settings.apm_url:
     st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")
 
-st.plotly_chart(charts.waterfall(stages + ranks, request["ttft_ms"], reference), key="waterfall")
+ui.chart(charts.waterfall(stages + ranks, request["ttft_ms"], reference), key="waterfall")
 offsets = request["clock_offsets"]
 st.caption(f"Clock offsets applied to put every process on {'the router' if reference == 'router' else 'P'}'s clock: " + (
     ", ".join(f"{charts.short_instance(instance)} {offset / 1e6:+.3f} ms" for instance, offset in sorted(offsets.items()))
