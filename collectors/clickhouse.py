@@ -278,6 +278,24 @@ SHARDING_KEYS = {
 ``FINAL`` collapses them there; each replacing table is sharded by what it collapses on."""
 
 
+MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
+    # 9 -> 10: breakdowns the store could not take and dropped, in the health rows (schema.MIGRATIONS)
+    9: (("collector_health", "ADD COLUMN IF NOT EXISTS dropped_decisions Int64 DEFAULT 0"),),
+}
+"""From a schema version to the next: ``(table, ALTER clause)`` pairs, idempotent (``IF NOT EXISTS``) so that
+a migration cut short is run again whole."""
+
+
+def migration_statements(address: ClickHouseAddress, version: int) -> list[str]:
+    """One host's ALTERs from ``version`` to the next: on a cluster, the shard's local table and then the
+    ``Distributed`` one over it (which does not follow its local table's columns by itself)."""
+    statements = []
+    for table, clause in MIGRATIONS[version]:
+        names = [f"{table}_local", table] if address.cluster and table in SHARDING_KEYS else [table]
+        statements += [f"ALTER TABLE {name} {clause}" for name in names]
+    return statements
+
+
 def schema_statements(address: ClickHouseAddress) -> list[str]:
     """The DDL of one host: the tables, or on a cluster each as ``<name>_local`` and a ``Distributed``
     ``<name>`` over the cluster; then the views, over the names either way. ``schema_version`` stays local."""
@@ -308,6 +326,12 @@ def create_schema(address: ClickHouseAddress) -> None:
                                  f"its remote_servers (it has: {', '.join(known) or 'none'})")
         found = client.query("SELECT max(version) FROM schema_version").result_rows[0][0] \
             if client.command("EXISTS TABLE schema_version") else None
+        while found in MIGRATIONS:  # an older database this kvtrace knows how to bring up to date
+            for statement in migration_statements(address, found):
+                client.command(statement)
+            found += 1
+            client.command(f"INSERT INTO schema_version VALUES ({found})")
+            logger.info("kvtrace: %s: store schema %d brought up to %d", address, found - 1, found)
         if found and found != schema.SCHEMA_VERSION:
             raise SchemaMismatch(f"--store {address}: written by a kvtrace with store schema {found}, this one uses "
                                  f"{schema.SCHEMA_VERSION}; use a new database")

@@ -143,4 +143,7 @@ class _Live:
                                       value=stats.traces_evicted)
         duplicates = CounterMetricFamily("kvtrace_collector_duplicate_spans", "Spans received twice.",
                                          value=stats.duplicate_spans)
-        yield from (forwarded, failures, dropped, backlog, pending, evicted, duplicates)
+        lost = CounterMetricFamily("kvtrace_collector_decisions_dropped",
+                                   "Breakdowns the store could not take, dropped (their spans are stored).",
+                                   value=self._collector.store.dropped_decisions)
+        yield from (forwarded, failures, dropped, backlog, pending, evicted, duplicates, lost)

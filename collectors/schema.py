@@ -49,7 +49,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 9
+SCHEMA_VERSION: Final = 10
 """Bump when a table, view or rollup changes: a file with another version is refused, unless
 :data:`MIGRATIONS` brings it up to this one."""
 
@@ -64,6 +64,8 @@ MIGRATIONS: Final[dict[int, str]] = {
                  for c in ("kafka_partitions", "kafka_lag", "kafka_pending_traces", "kafka_rebalances",
                            "kafka_commits", "kafka_commit_age_s", "kafka_unkeyed", "kafka_undecodable"))
        + "; UPDATE schema_version SET version = 9",
+    # 9 -> 10: breakdowns the store could not take and dropped, in the health rows (0 before it counted them)
+    9: "ALTER TABLE collector_health ADD COLUMN dropped_decisions BIGINT DEFAULT 0; UPDATE schema_version SET version = 10",
 }
 """From a schema version to the next, in one transaction: what the collector runs on opening an older file."""
 
@@ -153,7 +155,7 @@ CREATE TABLE IF NOT EXISTS collector_health (
     duplicate_spans BIGINT, forwarded_spans BIGINT, forward_failures BIGINT, forward_dropped BIGINT,
     pending_traces BIGINT, queued_requests BIGINT, lag_ms DOUBLE, kafka_partitions BIGINT, kafka_lag BIGINT,
     kafka_pending_traces BIGINT, kafka_rebalances BIGINT, kafka_commits BIGINT, kafka_commit_age_s DOUBLE,
-    kafka_unkeyed BIGINT, kafka_undecodable BIGINT
+    kafka_unkeyed BIGINT, kafka_undecodable BIGINT, dropped_decisions BIGINT
 );
 CREATE TABLE IF NOT EXISTS store_state (
     id INTEGER PRIMARY KEY, wal_segment INTEGER, wal_offset BIGINT, flush_id BIGINT, committed_at TIMESTAMPTZ,
@@ -169,8 +171,9 @@ undecodable ones."""
 HEALTH_COLUMNS: Final = ("spans_received", "requests_rejected", "traces_decided", "traces_incomplete",
                          "traces_late", "traces_evicted", "duplicate_spans", "forwarded_spans",
                          "forward_failures", "forward_dropped", "pending_traces", "queued_requests", "lag_ms",
-                         *KAFKA_HEALTH_COLUMNS)
-"""What the collector reports about itself in ``collector_health`` (besides run and time)."""
+                         *KAFKA_HEALTH_COLUMNS, "dropped_decisions")
+"""What the collector reports about itself in ``collector_health`` (besides run and time). Columns added by a
+migration come last, where ``ALTER TABLE ... ADD COLUMN`` puts them in a migrated file."""
 
 VIEWS: Final = """
 CREATE OR REPLACE VIEW spans AS

@@ -357,6 +357,7 @@ class Collector:
             "forward_failures": sum(u.stats.failures for u in self.upstreams),
             "forward_dropped": sum(u.stats.dropped for u in self.upstreams),
             "pending_traces": self.assembler.pending(), "queued_requests": self.intake.queued(),
+            "dropped_decisions": self.store.dropped_decisions,
             "lag_ms": (time.time() - committed) * 1e3 if committed else 0.0,
             **(self.kafka.health() if self.kafka is not None else {}),
         }

@@ -48,7 +48,9 @@ def collector_counters() -> None:
         last = collector[-1]
         st.caption(f"Latest: {ui.count(last['spans_received'])} spans received, {ui.count(last['traces_decided'])} "
                    f"traces decided ({ui.count(last['traces_incomplete'])} incomplete, {ui.count(last['traces_late'])} "
-                   f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans.")
+                   f"decided again after late spans), {ui.count(last['duplicate_spans'])} duplicate spans, "
+                   f"{ui.count(last['dropped_decisions'])} breakdowns the store could not take (dropped; their "
+                   "spans are stored).")
 
 
 def fleet_view() -> None:

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pyarrow as pa
 import pytest
 
-from kvtrace.collectors import clickhouse
+from kvtrace.collectors import clickhouse, schema
 from kvtrace.collectors.config import CollectorConfig
 from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.read import Filters, StoreUnavailable, open_store
@@ -300,3 +300,26 @@ def test_store_urls_name_their_shards_and_cluster(clickhouse_server):
     with pytest.raises(ValueError, match="no cluster 'nowhere' in its remote_servers"):
         clickhouse.create_schema(clickhouse.ClickHouseAddress.parse(
             clickhouse_server.store_url("lonely") + "?cluster=nowhere"))
+
+
+@pytest.mark.parametrize("server", ["clickhouse_server", "clickhouse_cluster"])
+def test_a_database_of_the_previous_schema_is_brought_up_to_date(request, server):
+    """A schema-9 database (its health rows without dropped_decisions) is migrated when a collector opens
+    it, on each shard, local and Distributed tables both, rather than refused."""
+    address = clickhouse.ClickHouseAddress.parse(request.getfixturevalue(server).store_url("older"))
+    clickhouse.create_schema(address)
+    for shard in address.shards or ((address.host, address.port),):  # what a schema-9 collector left
+        client = address.client(shard=shard)
+        for table in (["collector_health", "collector_health_local"] if address.cluster else ["collector_health"]):
+            client.command(f"ALTER TABLE {table} DROP COLUMN dropped_decisions")
+        client.command("TRUNCATE TABLE schema_version")
+        client.command("INSERT INTO schema_version VALUES (9)")
+    clickhouse.create_schema(address)
+    for shard in address.shards or ((address.host, address.port),):
+        client = address.client(shard=shard)
+        assert client.query("SELECT max(version) FROM schema_version").result_rows[0][0] == schema.SCHEMA_VERSION
+        tables = ["collector_health", "collector_health_local"] if address.cluster else ["collector_health"]
+        for table in tables:
+            columns = [r[0] for r in client.query(f"SELECT name FROM system.columns WHERE database = "
+                                                  f"'{address.database}' AND table = '{table}'").result_rows]
+            assert columns[-1] == "dropped_decisions", table

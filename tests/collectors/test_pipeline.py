@@ -226,6 +226,21 @@ def test_a_breakdown_the_store_cannot_take_is_dropped_and_every_other_row_kept(t
         store.shutdown()
 
 
+def test_a_dropped_breakdown_is_counted_in_the_health_rows_and_in_prometheus(make_collector):
+    """A breakdown dropped as above is not lost silently: the collector's status (its health rows, read
+    by the Health page) and its Prometheus counter say how many."""
+    collector = make_collector()
+    bad = decided(build("push"))
+    bad.prompt_tokens = 3_000_000_000  # past the int32 column, as above
+    collector.store.add_breakdown(bad)
+    assert wait_until(lambda: collector.store.dropped_decisions == 1, timeout_s=60)
+    assert collector.metrics.registry.get_sample_value("kvtrace_collector_decisions_dropped_total") == 1
+    assert collector.status()["dropped_decisions"] == 1
+    collector.store.add_health(collector.status())  # what the collector does every few seconds
+    assert wait_until(lambda: collector.store.query("SELECT max(dropped_decisions) FROM collector_health")[0][0] == 1,
+                      timeout_s=30)
+
+
 def test_a_store_that_fails_for_a_while_drops_nothing(tmp_path, monkeypatch):
     """Writes that fail whatever they hold (a full disk, the server away), for longer than the writer's
     patience: the isolation finds the rest failing too, puts everything back, and once writes pass again

@@ -238,9 +238,9 @@ def test_kpi_percentiles_are_exact_for_small_selections_and_estimates_above_the_
 
 
 def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):
-    """A schema-6 file (before ttft_reference, explanation and the Kafka health columns) is migrated, one
-    version at a time, when a collector opens it: its rows are kept, read as served by kvtrace's router with
-    no explanation, and new traces join them."""
+    """A schema-6 file (before ttft_reference, explanation, and the Kafka and dropped-decision health
+    columns) is migrated, one version at a time, when a collector opens it: its rows are kept, read as
+    served by kvtrace's router with no explanation, and new traces join them."""
     from kvtrace.collectors import schema
 
     path = tmp_path / "older.duckdb"
@@ -249,7 +249,8 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     con = duckdb.connect(str(path))  # what a schema-6 collector left: no ttft_reference, version 6
     con.execute("DROP VIEW IF EXISTS stages; ALTER TABLE requests DROP COLUMN ttft_reference; "
                 "ALTER TABLE requests DROP COLUMN explanation; UPDATE schema_version SET version = 6; "
-                + "; ".join(f"ALTER TABLE collector_health DROP COLUMN {c}" for c in schema.KAFKA_HEALTH_COLUMNS))
+                + "; ".join(f"ALTER TABLE collector_health DROP COLUMN {c}"
+                            for c in (*schema.KAFKA_HEALTH_COLUMNS, "dropped_decisions")))
     con.execute(schema.VIEWS)  # its views, as it had them
     con.close()
     with pytest.raises(StoreUnavailable, match="schema 6"):  # a reader alone does not write to it
@@ -261,5 +262,6 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     assert rows == {before[0].trace_id: ("router", False), before[1].trace_id: ("router", False),
                     behind.trace_id: ("engine", True)}
     assert open_store(path).kpis(Filters())["requests"] == 3
-    health = open_store(path).sql("SELECT kafka_partitions, kafka_lag FROM collector_health").to_pylist()
-    assert health and all(r == {"kafka_partitions": 0, "kafka_lag": 0} for r in health)
+    health = open_store(path).sql("SELECT kafka_partitions, kafka_lag, dropped_decisions FROM collector_health"
+                                  ).to_pylist()
+    assert health and all(r == {"kafka_partitions": 0, "kafka_lag": 0, "dropped_decisions": 0} for r in health)
