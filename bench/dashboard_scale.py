@@ -176,7 +176,7 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
     bare_app = os.path.join(bare_dir, "bare.py")
     Path(bare_app).write_text(BARE_APP)
     bare_port = port + 1
-    bare_command = [bare_app if part == str(launch.APP) else part for part in launch.command("127.0.0.1", bare_port)]
+    bare_command = [bare_app if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", bare_port)]
     processes = []
     results: dict[str, dict[str, list[float]]] = {p: {"cold": [], "warm": []} for p in ["bare", *PAGES]}
     try:

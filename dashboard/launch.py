@@ -11,11 +11,14 @@ from pathlib import Path
 from .settings import Settings
 
 APP = Path(__file__).resolve().parent / "app.py"
+"""The Streamlit script: what AppTest runs."""
+SERVER = Path(__file__).resolve().parent / "server.py"
+"""What ``kvtrace dashboard`` serves: :data:`APP` behind one middleware (see server.py)."""
 
 
 def command(host: str, port: int) -> list[str]:
     """The Streamlit command line: no browser, no usage statistics, no developer menu."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.address", host,
+    return [sys.executable, "-m", "streamlit", "run", str(SERVER), "--server.address", host,
             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--client.toolbarMode", "viewer", "--server.fileWatcherType", "none", "--theme.base", "light"]
 

@@ -9,6 +9,7 @@ refresh interval, and the browser must reach nothing but 127.0.0.1. Screenshots 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 from playwright import sync_api as playwright
 
+from kvtrace.dashboard.server import BACKEND_BASE
 from kvtrace.dashboard.ui import ms_short
 from kvtrace.collectors.read import Filters, open_store
 from kvtrace.testbed.launch import free_port
@@ -139,7 +141,8 @@ def page(browser):
     context = browser.new_context(viewport={"width": 1500, "height": 1100})
     page = context.new_page()
     page.outside = []  # every request the page makes to anything but this machine's loopback
-    page.on("request", lambda r: None if r.url.startswith(
+    page.asked = []  # every URL it asks for
+    page.on("request", lambda r: page.asked.append(r.url) if r.url.startswith(
         ("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:")) else page.outside.append(r.url))
     yield page
     context.close()
@@ -171,6 +174,11 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     store = "the shared ClickHouse store" if "clickhouse://" in live["db"] else "a running collector"
     assert page.get_by_text(f"reading {store}").count() == 1
     assert not page.outside, page.outside
+    # The page said where the server is (server.PinBackendBase): the front end never probed for it under the
+    # page's own path, which cost each deep link a 404 and Streamlit's 100 ms retry before its socket opened.
+    assert page.evaluate("window.__streamlit.BACKEND_BASE_URL") == f"{live['ui']}/"
+    probes = [url for url in page.asked if url.endswith("/_stcore/health")]
+    assert probes == [f"{live['ui']}/_stcore/health"], probes
     SHOTS.mkdir(parents=True, exist_ok=True)
     suffix = "" if "clickhouse://" not in live["db"] else "-clickhouse"
     page.screenshot(path=str(SHOTS / f"{path or 'overview'}{suffix}.png"), full_page=True)
@@ -178,6 +186,25 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     page.set_viewport_size({"width": 1280, "height": 900})  # a laptop's browser window
     page.wait_for_timeout(1_000)
     assert not _cut_kpis(page), f"/{path}: KPI values cut off at 1280 px: {_cut_kpis(page)}"
+
+
+@pytest.mark.parametrize("here, served, base, expected", [
+    ("/", "/", "/", "/"),
+    ("/health", "/health", "/", "/"),
+    ("/trace/", "/trace/", "/", "/"),
+    ("/kv/trace", "/trace", "/", "/kv/"),  # a proxy removed /kv on the way
+    ("/kv", "/", "/", None),  # ... and the browser's path does not end with the server's: Streamlit probes
+    ("/kv/", "/", "/", "/kv/"),
+    ("/dash/health", "/dash/health", "/dash/", "/dash/"),  # server.baseUrlPath = dash
+    ("/edge/dash/stages", "/dash/stages", "/dash/", "/edge/dash/"),  # both
+    ("/elsewhere", "/health", "/", None),  # a rewritten path
+])
+def test_the_page_computes_where_the_server_is(browser, here, served, base, expected):
+    page = browser.new_page()
+    try:
+        assert page.evaluate(f"({BACKEND_BASE})({json.dumps(here)}, {json.dumps(served)}, {json.dumps(base)})") == expected
+    finally:
+        page.close()
 
 
 def _cut_kpis(page) -> list[str]:

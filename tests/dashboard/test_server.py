@@ -1,0 +1,92 @@
+"""The dashboard's ASGI middleware (dashboard/server.py) on a stand-in app: which responses it rewrites
+and how. The page's script itself runs in Chromium (test_browser.py), on the real server too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from kvtrace.dashboard.server import PinBackendBase, backend_base_script
+
+PAGE = "<!DOCTYPE html><html><head><title>x</title></head><body><script type=module src=./a.js></script></body></html>"
+HTML = {"accept": "text/html,application/xhtml+xml"}
+
+
+def _client() -> tuple[TestClient, list[dict]]:
+    seen: list[dict] = []  # the request headers the app behind the middleware got
+
+    async def page(request):
+        seen.append(dict(request.headers))
+        return HTMLResponse(PAGE)
+
+    async def api(request):
+        seen.append(dict(request.headers))
+        return JSONResponse({"ok": True})
+
+    async def not_modified(request):
+        return Response(status_code=304, headers={"content-type": "text/html"})
+
+    app = Starlette(routes=[Route("/_stcore/health", api), Route("/cached", not_modified),
+                            Route("/{path:path}", page, methods=["GET", "POST"])])
+    return TestClient(PinBackendBase(app)), seen
+
+
+@pytest.mark.parametrize("path", ["/", "/health", "/trace", "/kv/stages/"])
+def test_each_page_gets_the_script_right_after_head_with_the_path_the_server_saw(path):
+    client, seen = _client()
+    response = client.get(f"{path}?trace_id=abc", headers={**HTML, "accept-encoding": "gzip"})
+    assert response.status_code == 200
+    body = response.text
+    script = backend_base_script(path, "/").decode()
+    assert body == PAGE.replace("<head>", "<head>" + script, 1)
+    assert f"location.pathname, {json.dumps(path)}, \"/\"" in script  # no query string in the path
+    assert int(response.headers["content-length"]) == len(response.content)
+    assert "accept-encoding" not in seen[0]  # asked uncompressed: the page is rewritten, not unzipped
+
+
+def test_a_request_path_cannot_close_the_script():
+    """Browsers percent-encode "<" in a path, other clients need not: the raw path, straight into the ASGI app."""
+    import asyncio
+
+    async def page(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
+        await send({"type": "http.response.body", "body": PAGE.encode()})
+
+    hostile = b"/x</script><script>alert(1)</script>"
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": hostile.decode(), "raw_path": hostile,
+             "headers": [(b"accept", b"text/html")]}
+    asyncio.run(PinBackendBase(page)(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert "/x\\u003c/script>\\u003cscript>alert(1)\\u003c/script>" in body  # the path, as a string's text
+    assert body.count("</script>") == PAGE.count("</script>") + 1  # only the script's own end
+
+
+def test_everything_but_a_page_passes_through_untouched():
+    client, seen = _client()
+    api = client.get("/_stcore/health", headers={"accept-encoding": "gzip"})
+    assert api.json() == {"ok": True} and seen[-1]["accept-encoding"] == "gzip"
+    assert client.get("/health").text == PAGE  # no text/html in Accept: a script's fetch, not a page
+    assert client.post("/health", headers=HTML).text == PAGE
+    cached = client.get("/cached", headers=HTML)  # the browser keeps the page it had, rewritten already
+    assert cached.status_code == 304 and cached.content == b""
+
+
+def test_the_servers_base_url_path_is_the_scripts_base(monkeypatch):
+    from streamlit import config
+
+    monkeypatch.setattr(config, "get_option", lambda name: "/kv/" if name == "server.baseUrlPath" else None)
+    client, _ = _client()
+    assert backend_base_script("/kv/health", "/kv/").decode() in client.get("/kv/health", headers=HTML).text
