@@ -17,10 +17,15 @@ SERVER = Path(__file__).resolve().parent / "server.py"
 
 
 def command(host: str, port: int) -> list[str]:
-    """The Streamlit command line: no browser, no usage statistics, no developer menu."""
+    """The Streamlit command line: no browser, no usage statistics, no developer menu, and no full
+    garbage collection after each script run (``runner.postScriptGC``): over this process's heap
+    (DuckDB, Arrow, Plotly, the cached answers) that collection took ~100 ms of CPU after every page
+    load, while the browser was drawing the page on the same machine. Memory without it: RSS 282 ->
+    287 MB over 240 page loads (with it, +3.8 MB in 60), the cyclic collector still runs on its own."""
     return [sys.executable, "-m", "streamlit", "run", str(SERVER), "--server.address", host,
             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--client.toolbarMode", "viewer", "--server.fileWatcherType", "none", "--theme.base", "light"]
+            "--client.toolbarMode", "viewer", "--server.fileWatcherType", "none", "--theme.base", "light",
+            "--runner.postScriptGC", "false"]
 
 
 def start(settings: Settings, host: str = "127.0.0.1", port: int = 8501, *,

@@ -90,3 +90,16 @@ def test_the_servers_base_url_path_is_the_scripts_base(monkeypatch):
     monkeypatch.setattr(config, "get_option", lambda name: "/kv/" if name == "server.baseUrlPath" else None)
     client, _ = _client()
     assert backend_base_script("/kv/health", "/kv/").decode() in client.get("/kv/health", headers=HTML).text
+
+
+def test_the_dashboard_command_is_one_streamlit_takes_serving_the_middleware_without_post_run_gc():
+    """Streamlit's own CLI parses ``kvtrace dashboard``'s command line (an option it does not know fails here)."""
+    from streamlit.web import cli
+
+    from kvtrace.dashboard import launch
+
+    args = launch.command("127.0.0.1", 8501)[3:]  # after "python -m streamlit"
+    assert args[:2] == ["run", str(launch.SERVER)]
+    context = cli.main_run.make_context("run", args[1:])
+    assert context.params["runner_postScriptGC"] is False
+    assert context.params["server_fileWatcherType"] == "none"
