@@ -38,17 +38,23 @@ def side_by_side(*panels: tuple) -> None:
                 st.caption(caption[0])
 
 
-def lazy_tabs(key: str, sections: dict[str, Callable[[], None]]) -> None:
-    """A page's secondary views in tabs, only the open one drawn (its queries run, its charts sent).
+def lazy_sections(key: str, sections: dict[str, Callable[[], None]]) -> None:
+    """A page's secondary views, each in an expander closed on arrival and drawn only while open (its
+    queries run, its charts sent), opened and closed per session (:func:`section_key`).
 
-    A page's first chart is drawn in the same browser render as everything after it, so each
-    element under it delays it (another chart ~0.04 s warm): what answers the page's question
-    stays in view, the rest waits for a click (README, "Dashboard at scale"). The open tab is
-    kept per session under ``key``."""
-    for tab, draw in zip(st.tabs(list(sections), key=key, on_change="rerun"), sections.values()):
-        if tab.open:
-            with tab:
+    A page's first chart is drawn in the same browser render as every chart sent with it, and each costs
+    that render ~50-60 ms here: what answers the page's question stays in view, the rest waits for a
+    click. Tabs did that for all but one view, the open first tab's, which every page still drew on
+    arrival (README, "Dashboard at scale")."""
+    for label, draw in sections.items():
+        with st.expander(label, key=section_key(key, label), on_change="rerun") as box:
+            if box.open:
                 draw()
+
+
+def section_key(key: str, label: str) -> str:
+    """The session-state key holding whether one of :func:`lazy_sections` is open."""
+    return f"{key}:{label}"
 
 
 WINDOWS = {"all": None, "15m": timedelta(minutes=15), "1h": timedelta(hours=1), "6h": timedelta(hours=6),

@@ -70,5 +70,5 @@ def fleet_view() -> None:
          "rebalances", "Each step is a partition assignment or revocation (a collector joined, left or died)."))
 
 
-ui.lazy_tabs("health_tab", {"Unattributed time and incomplete traces": traces, "The collector": collector_counters,
+ui.lazy_sections("health_more", {"Unattributed time and incomplete traces": traces, "The collector": collector_counters,
                             **({"Fleet: the collectors reading Kafka": fleet_view} if fleet else {})})

@@ -46,4 +46,4 @@ def over_time() -> None:
     ui.chart(charts.ttft_over_time(data.ttft_over_time(f)), key="ttft_time")
 
 
-ui.lazy_tabs("overview_tab", {"A typical request against the slowest 1 %": cohorts, "TTFT over time": over_time})
+ui.lazy_sections("overview_more", {"A typical request against the slowest 1 %": cohorts, "TTFT over time": over_time})

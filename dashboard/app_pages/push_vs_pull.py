@@ -47,4 +47,4 @@ def transfer() -> None:
         ui.chart(charts.transfer_bars(transfers), key="transfers")
 
 
-ui.lazy_tabs("push_vs_pull_tab", {"By prompt length": by_length, "The transfer itself": transfer})
+ui.lazy_sections("push_vs_pull_more", {"By prompt length": by_length, "The transfer itself": transfer})

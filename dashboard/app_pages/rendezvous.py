@@ -23,7 +23,7 @@ def kv_hold() -> None:
                "pull only after. Block·seconds = blocks allocated × time held.")
 
 
-ui.lazy_tabs("rendezvous_tab", {
+ui.lazy_sections("rendezvous_more", {
     "Coordination given the order": lambda: ui.chart(
         charts.coordination_by_order(rendezvous["by_order"].to_pylist()), key="order_coord"),
     "What early binding costs: KV blocks held on D": kv_hold})

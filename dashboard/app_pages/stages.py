@@ -24,6 +24,8 @@ st.dataframe(
     })
 st.caption("Durations are percentiles from log-bucketed histograms (±4 %); critical time and shares are exact sums.")
 
-ui.lazy_tabs("stages_tab", {
-    "Share of TTFT per stage": lambda: ui.chart(charts.stage_shares(rows), key="shares"),
+st.subheader("Share of TTFT per stage")
+ui.chart(charts.stage_shares(rows), key="shares")
+
+ui.lazy_sections("stages_more", {
     "Stage × time": lambda: ui.chart(charts.stage_heatmap(data.stage_heatmap(f).to_pylist()), key="heatmap")})

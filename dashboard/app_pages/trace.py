@@ -78,7 +78,7 @@ def rank_table() -> None:
         c: st.column_config.NumberColumn(format="%.3f") for c in ("start (ms)", "duration (ms)")})
 
 
-ui.lazy_tabs("trace_tab", {"Breakdown": breakdown, "Stages": stage_table, **({"Ranks": rank_table} if ranks else {})})
+ui.lazy_sections("trace_more", {"Breakdown": breakdown, "Stages": stage_table, **({"Ranks": rank_table} if ranks else {})})
 if not spans:
     st.caption("The original spans (every attribute) are no longer in the collector's archive; the stages above "
                "are the stored breakdown.")

@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvtrace.collectors.read import PART_COLUMNS, Filters, open_store
 from kvtrace.dashboard.launch import APP as APP_PATH
-from kvtrace.dashboard.ui import ms_short
+from kvtrace.dashboard.ui import ms_short, section_key
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
 from tests.collectors.traces import MS, build, store_of
 
@@ -50,20 +50,25 @@ def _figures(at: AppTest) -> list[dict]:
     return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
 
 
-def _open_tab(at: AppTest, page: str, label: str) -> AppTest:
-    """Click a page's tab (``ui.lazy_tabs``, keyed ``<page>_tab``): only the open one is drawn."""
-    at.session_state[f"{page}_tab"] = label
+def _sections(at: AppTest) -> list[str]:
+    """The labels of the page's secondary views (``ui.lazy_sections``: expanders in the main area)."""
+    return [box.label for box in at.main.expander]
+
+
+def _open_section(at: AppTest, page: str, label: str, open_: bool = True) -> AppTest:
+    """Open (or close) one of a page's secondary views (``ui.lazy_sections``, keyed ``<page>_more``)."""
+    at.session_state[section_key(f"{page}_more", label)] = open_
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
 
-def _every_tab(at: AppTest, page: str) -> list[dict]:
-    """The page's figures with each of its tabs opened in turn: what is drawn on arrival, then each tab's."""
-    labels = [tab.label for tab in at.tabs]
+def _every_section(at: AppTest, page: str) -> list[dict]:
+    """The page's figures with each of its secondary views opened in turn: what is drawn on arrival, then
+    each view's."""
     seen = {json.dumps(figure, sort_keys=True): figure for figure in _figures(at)}
-    for label in labels[1:]:  # the first is open on arrival
-        seen.update({json.dumps(figure, sort_keys=True): figure for figure in _figures(_open_tab(at, page, label))})
+    for label in _sections(at):
+        seen.update({json.dumps(figure, sort_keys=True): figure for figure in _figures(_open_section(at, page, label))})
     return list(seen.values())
 
 
@@ -87,7 +92,7 @@ def test_every_page_renders_its_charts(monkeypatch, stores, page):
             assert [line.value for line in at.info] == ["No request with two or more output tokens."] * 2
             continue
         assert at.get("plotly_chart"), f"{page} on {store}: no chart"
-        for figure in _every_tab(at, page):
+        for figure in _every_section(at, page):
             for axis in ("xaxis", "yaxis"):  # units on every axis that is shown
                 layout = figure["layout"].get(axis, {})
                 if layout.get("visible", True) and figure["data"] and figure["data"][0].get("type") != "heatmap":
@@ -95,19 +100,23 @@ def test_every_page_renders_its_charts(monkeypatch, stores, page):
                     assert title or axis == "yaxis" and figure["data"][0].get("orientation") == "h", (page, axis)
 
 
-def test_a_pages_secondary_views_are_drawn_only_when_their_tab_is_opened(monkeypatch, stores):
+def test_a_pages_secondary_views_are_drawn_only_while_open(monkeypatch, stores):
     def x_titles(at):
         return [(f["layout"]["xaxis"].get("title") or {}).get("text") for f in _figures(at)]
 
     at = _app(monkeypatch, stores["mixed"])
-    assert [tab.label for tab in at.tabs] == ["A typical request against the slowest 1 %", "TTFT over time"]
-    assert len(_figures(at)) == 3 and "time (UTC)" not in x_titles(at)  # two by mode, the open tab's cohorts
-    _open_tab(at, "overview", "TTFT over time")
-    assert len(_figures(at)) == 3 and "time (UTC)" in x_titles(at)  # the cohorts went, the line came
+    assert _sections(at) == ["A typical request against the slowest 1 %", "TTFT over time"]
+    assert len(_figures(at)) == 2  # the two by mode: no secondary view is drawn on arrival
+    _open_section(at, "overview", "TTFT over time")
+    assert len(_figures(at)) == 3 and "time (UTC)" in x_titles(at)
+    _open_section(at, "overview", "A typical request against the slowest 1 %")
+    assert len(_figures(at)) == 4  # both open
+    _open_section(at, "overview", "TTFT over time", open_=False)
+    assert len(_figures(at)) == 3 and "time (UTC)" not in x_titles(at)  # closed: no longer drawn
     at.switch_page("app_pages/push_vs_pull.py").run()
-    assert len(_figures(at)) == 3  # the CDF, the parts side by side, the open tab's lengths: not the transfer
+    assert len(_figures(at)) == 2  # the CDF and the parts side by side
     assert len(at.dataframe) == 1  # the parts' difference, not the transfer's table
-    _open_tab(at, "push_vs_pull", "The transfer itself")
+    _open_section(at, "push_vs_pull", "The transfer itself")
     assert len(at.dataframe) == 2 and any("MB/s (NIXL)" in d.value.columns for d in at.dataframe)
 
 
@@ -191,7 +200,8 @@ def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores
     assert _metrics(at)["Rendezvous"] == "P first"  # kv_first: P's KV waited for D's registration
     assert at.info[0].value == ("89 % coordination: D's registration took 161 ms to reach P, whose finished blocks "
                                 "waited 18 ms for it at the rendezvous.")  # the collector's sentence, on top
-    breakdown = at.dataframe[0].value.set_index("part")["ms"]
+    assert not at.dataframe  # the breakdown's table waits under its expander
+    breakdown = _open_section(at, "trace", "Breakdown").dataframe[0].value.set_index("part")["ms"]
     assert breakdown["TTFT (sum)"] == pytest.approx(built.ttft_ns / MS)
     for part, ns in built.expected.items():
         assert breakdown[part] == pytest.approx(ns / MS)
@@ -217,7 +227,7 @@ def test_the_apm_link_is_built_from_the_template(monkeypatch, stores):
 
 
 def test_health_lists_incomplete_traces(monkeypatch, stores):
-    at = _app(monkeypatch, stores["mixed"], "health")
+    at = _open_section(_app(monkeypatch, stores["mixed"], "health"), "health", "Unattributed time and incomplete traces")
     missing = at.dataframe[0].value.to_dict("records")
     assert missing == [{"mode": "push", "missing stages": "decode:completion", "requests": 1}]
 
@@ -276,12 +286,12 @@ def test_the_trace_page_names_the_ttft_reference_and_draws_each_tp_rank(monkeypa
     no_router, tp2 = stores["behind_traces"]
     at = _app(monkeypatch, stores["behind"], "trace", trace_id=no_router.trace_id)
     assert "TTFT (from engine)" in _metrics(at)
-    assert [tab.label for tab in at.tabs] == ["Breakdown", "Stages"]  # no TP: no ranks' tab
-    stages = _open_tab(at, "trace", "Stages").dataframe[0].value
+    assert _sections(at) == ["Breakdown", "Stages"]  # no TP: no ranks' view
+    stages = _open_section(at, "trace", "Stages").dataframe[0].value
     assert "relay" in set(stages["stage"])  # P's answer to D's leg, through the other router
     at = _app(monkeypatch, stores["behind"], "trace", trace_id=tp2.trace_id)
     assert "TTFT (from router)" in _metrics(at)
-    ranks = _open_tab(at, "trace", "Ranks").dataframe[0].value
+    ranks = _open_section(at, "trace", "Ranks").dataframe[0].value
     assert list(ranks["rank"]) == [0, 1] and set(ranks["stage"]) == {"prefill:write"}
     assert list(ranks["duration (ms)"]) == pytest.approx([5.0, 11.0]) and list(ranks["bytes"]) == [2_097_152] * 2
     lanes = {y for figure in _figures(at) for trace in figure["data"] for y in trace.get("y", [])}
@@ -305,9 +315,10 @@ def test_a_chart_with_nothing_to_draw_is_a_line_saying_why_not_an_empty_figure(m
     at = _app(monkeypatch, stores["mixed"], "health")
     assert [line.value for line in at.info] == [
         "No clock exchanges recorded (senders behind another collector, or older kvtrace)."]
-    figures = _figures(at)
-    assert len(figures) == 2 and all(figure["data"] for figure in figures)
+    assert len(_figures(at)) == 1  # the offsets applied; the unattributed share waits under its expander
     assert "Each process's clock, measured" in [h.value for h in at.subheader]  # the panel keeps its title
+    figures = _figures(_open_section(at, "health", "Unattributed time and incomplete traces"))
+    assert len(figures) == 2 and all(figure["data"] for figure in figures)
 
 
 def test_kpi_durations_keep_three_digits_and_fit_a_narrow_column():
@@ -366,7 +377,7 @@ def test_health_shows_each_fleet_collector_and_warns_of_unkeyed_messages(monkeyp
         con.execute(f"INSERT INTO collector_health (collector_run_id, recorded_at, {', '.join(values)}) VALUES "
                     f"(?, ?, {', '.join('?' * len(values))})", [run, now + timedelta(seconds=i), *values.values()])
     con.close()
-    at = _open_tab(_app(monkeypatch, db, "health"), "health", "Fleet: the collectors reading Kafka")
+    at = _open_section(_app(monkeypatch, db, "health"), "health", "Fleet: the collectors reading Kafka")
     table = next(d.value for d in at.dataframe if "partitions owned" in d.value.columns).to_dict("records")
     assert [(r["collector"], r["partitions owned"], r["consumer lag (messages)"]) for r in table] == \
            [("c-a", 3, 40), ("c-b", 3, 7)]
