@@ -20,6 +20,7 @@ from typing import Any
 
 import streamlit as st
 from starlette.middleware import Middleware
+from streamlit import config
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -64,8 +65,6 @@ class PinBackendBase:
         # A page is ~2 kB: ask for it uncompressed rather than unzip and zip it again.
         scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"accept-encoding"]}
         served = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").split("?", 1)[0]
-        from streamlit import config
-
         base_url_path = (config.get_option("server.baseUrlPath") or "").strip("/")
         script = backend_base_script(served, f"/{base_url_path}/" if base_url_path else "/")
         start: Message | None = None
