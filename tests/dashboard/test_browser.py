@@ -166,6 +166,9 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     assert page.locator(".main-svg").count() >= 1
     missing = PAGES[path] - _legend(page)
     assert not missing, f"/{path}: legend lacks {missing}; has {_legend(page)}"
+    SHOTS.mkdir(parents=True, exist_ok=True)  # the page as it arrives, before a section is opened (it scrolls)
+    suffix = "" if "clickhouse://" not in live["db"] else "-clickhouse"
+    page.screenshot(path=str(SHOTS / f"{path or 'overview'}{suffix}.png"), full_page=True)
     if path in SECTIONS:
         label, legend = SECTIONS[path]
         assert not legend & _legend(page), f"/{path}: {label!r} drawn before it was opened"
@@ -180,9 +183,6 @@ def test_every_page_renders_its_charts_in_chromium(live, page, path):
     assert page.evaluate("window.__streamlit.BACKEND_BASE_URL") == f"{live['ui']}/"
     probes = [url for url in page.asked if url.endswith("/_stcore/health")]
     assert probes == [f"{live['ui']}/_stcore/health"], probes
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    suffix = "" if "clickhouse://" not in live["db"] else "-clickhouse"
-    page.screenshot(path=str(SHOTS / f"{path or 'overview'}{suffix}.png"), full_page=True)
     print(f"\n/{path}: first chart after {first_chart_s:.2f} s")
     page.set_viewport_size({"width": 1280, "height": 900})  # a laptop's browser window
     page.wait_for_timeout(1_000)
