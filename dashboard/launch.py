@@ -51,12 +51,15 @@ def serve(*, db: str | None, collector: str | None, token: str | None, host: str
         print(f"kvtrace dashboard: {exc}", file=sys.stderr)
         return 2
     print(f"kvtrace dashboard: http://{host}:{port}  (reading {db or collector}; Ctrl-C stops it)", file=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: (stop(process), sys.exit(0)))  # a TERM to us ends it too
+    # A TERM to us ends it too. The handler only leaves process.wait() below: stopping the dashboard from
+    # inside it could never reap the child, whose lock that interrupted wait() holds (15 s, then SIGKILL).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return process.wait()
     except KeyboardInterrupt:
-        stop(process)
         return 0
+    finally:
+        stop(process)  # after Ctrl-C or a TERM; nothing to do when the dashboard exited by itself
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:

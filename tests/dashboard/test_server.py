@@ -103,3 +103,38 @@ def test_the_dashboard_command_is_one_streamlit_takes_serving_the_middleware_wit
     context = cli.main_run.make_context("run", args[1:])
     assert context.params["runner_postScriptGC"] is False
     assert context.params["server_fileWatcherType"] == "none"
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_kvtrace_dashboard_stops_its_server_at_once_and_cleanly(tmp_path, sig):
+    """A process manager's TERM (or Ctrl-C) to ``kvtrace dashboard``: it and its Streamlit server are gone
+    within seconds, exit 0, no traceback. The TERM handler once stopped the server from inside the signal
+    handler, while ``process.wait()`` held the child's lock: the server could not be reaped, and it took
+    15 s, a SIGKILL, exit 1 and a TimeoutExpired traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from kvtrace.testbed.launch import free_port
+    from tests.helpers import wait_until
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvtrace", "dashboard", "--db", str(tmp_path / "none.duckdb"),
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert wait_until(lambda: psutil.Process(process.pid).children(), 30)
+        server = psutil.Process(process.pid).children()
+        assert wait_until(lambda: any(c.laddr.port == port for s in server for c in s.net_connections("tcp")), 60)
+        stopped = time.monotonic()
+        process.send_signal(getattr(signal, sig))
+        output, _ = process.communicate(timeout=30)
+        assert time.monotonic() - stopped < 5, output
+        assert process.returncode == 0 and "Traceback" not in output, output
+        assert not psutil.wait_procs(server, timeout=5)[1]  # the server too
+    finally:
+        if process.poll() is None:
+            process.kill()
