@@ -287,7 +287,7 @@ SAMPLE_SCATTER = "scatter"
 (the reader's ``requests_sample``), which SVG draws before a WebGL context is even up. The Slow requests
 page's first chart came 0.15–0.2 s sooner in Chromium (bench/dashboard_scale.py's store of 100k requests).
 Each point costs the browser ~0.13 ms to draw warm, so the sample is no larger than a scatter needs to
-show where requests fall (README, "Dashboard at scale")."""
+show where requests fall (README, "At a million requests")."""
 
 
 def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure | NoData:
