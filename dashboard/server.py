@@ -14,18 +14,12 @@ and the front end connects at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
-from typing import Any
 
 import streamlit as st
 from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from streamlit import config
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 BACKEND_BASE = """function (here, served, base) {
   // here: the browser's path; served: the same request's path as the server saw it; base: the server's
@@ -54,7 +48,7 @@ class PinBackendBase:
     the app serves (Streamlit serves one page, ``index.html``, for every page's URL). Everything else,
     WebSockets included, passes through untouched."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

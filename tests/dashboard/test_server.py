@@ -3,15 +3,26 @@ and how. The page's script itself runs in Chromium (test_browser.py), on the rea
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
+from streamlit import config
+from streamlit.web import cli
 
+from kvtrace.dashboard import launch
 from kvtrace.dashboard.server import PinBackendBase, backend_base_script
+from kvtrace.testbed.launch import free_port
+from tests.helpers import wait_until
 
 PAGE = "<!DOCTYPE html><html><head><title>x</title></head><body><script type=module src=./a.js></script></body></html>"
 HTML = {"accept": "text/html,application/xhtml+xml"}
@@ -51,8 +62,6 @@ def test_each_page_gets_the_script_right_after_head_with_the_path_the_server_saw
 
 def test_a_request_path_cannot_close_the_script():
     """Browsers percent-encode "<" in a path, other clients need not: the raw path, straight into the ASGI app."""
-    import asyncio
-
     async def page(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
         await send({"type": "http.response.body", "body": PAGE.encode()})
@@ -85,8 +94,6 @@ def test_everything_but_a_page_passes_through_untouched():
 
 
 def test_the_servers_base_url_path_is_the_scripts_base(monkeypatch):
-    from streamlit import config
-
     monkeypatch.setattr(config, "get_option", lambda name: "/kv/" if name == "server.baseUrlPath" else None)
     client, _ = _client()
     assert backend_base_script("/kv/health", "/kv/").decode() in client.get("/kv/health", headers=HTML).text
@@ -94,10 +101,6 @@ def test_the_servers_base_url_path_is_the_scripts_base(monkeypatch):
 
 def test_the_dashboard_command_is_one_streamlit_takes_serving_the_middleware_without_post_run_gc():
     """Streamlit's own CLI parses ``kvtrace dashboard``'s command line (an option it does not know fails here)."""
-    from streamlit.web import cli
-
-    from kvtrace.dashboard import launch
-
     args = launch.command("127.0.0.1", 8501)[3:]  # after "python -m streamlit"
     assert args[:2] == ["run", str(launch.SERVER)]
     context = cli.main_run.make_context("run", args[1:])
@@ -111,16 +114,6 @@ def test_kvtrace_dashboard_stops_its_server_at_once_and_cleanly(tmp_path, sig):
     within seconds, exit 0, no traceback. The TERM handler once stopped the server from inside the signal
     handler, while ``process.wait()`` held the child's lock: the server could not be reaped, and it took
     15 s, a SIGKILL, exit 1 and a TimeoutExpired traceback."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import psutil
-
-    from kvtrace.testbed.launch import free_port
-    from tests.helpers import wait_until
-
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "kvtrace", "dashboard", "--db", str(tmp_path / "none.duckdb"),
                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
