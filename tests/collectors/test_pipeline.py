@@ -116,6 +116,26 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))
 
 
+def test_every_span_keeps_its_own_name_and_stage(make_collector):
+    """Span names and stages are written dictionary-encoded (``store._low_cardinality``): each stored row
+    must still hold its own span's name and stage, over several export requests in one flush, with a
+    name outside the contract (non-ASCII) among them."""
+    collector = make_collector()
+    requests = shuffled_span_requests([build("push", "kv_first"), build("pull"), build("pull", fail="read")], seed=5)
+    requests[3].resource_spans[0].scope_spans[0].spans[0].name = "vendor.ステージ-é"
+    sent = {}
+    for request in requests:
+        batch = SpanBatch.of(request)
+        sent.update({(row.trace_id.hex(), row.span_id.hex()): (row.name, row.stage) for row in batch.rows})
+        collector.consume(batch)
+    assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3)
+    collector.store.flush()
+    stored = {(t, s): (name, stage) for t, s, name, stage in collector.store.query(
+        "SELECT trace_id, span_id, name, stage FROM span_rows")}
+    assert stored == sent and "vendor.ステージ-é" in {name for name, _ in stored.values()}
+    assert len({name for name, _ in sent.values()}) > 5 and len({stage for _, stage in sent.values()}) > 10
+
+
 @pytest.mark.skipif(wire.native is None, reason="native module not built")
 def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
     """``store.stage_columns`` natively and in Python: the same ids (new stages assigned in the same
