@@ -12,9 +12,12 @@ time to its first chart.
    filters (all data: first paint) and once after a re-filter (push only, last 6 hours).
 3. Browser: ``kvtrace dashboard --db PATH``, Debian's Chromium through Playwright; per page, the
    time from navigation to the first Plotly chart (as the page saw it: :data:`FIRST_CHART_SCRIPT`), cold (a new browser context: the whole
-   Streamlit and Plotly front end loads) and warm (the same context, as a user moving between
-   pages); each navigation starts with the previous page finished (:data:`SETTLE_MS` after its
-   first chart). Medians of ``--rounds``.
+   Streamlit and Plotly front end loads) and warm (the same context loading the page's URL: a new
+   document, its code from the browser's cache, as a reload, a deep link or a new tab); each
+   navigation starts with the previous page finished (:data:`SETTLE_MS` after its first chart).
+   Then in-app: the warm tab follows the sidebar's link to each page in turn, as a user moves
+   between pages once the dashboard is open (no new document; :data:`SWITCH_SCRIPT`; reported,
+   no target). Medians of ``--rounds``.
 
    Beside it, in the same rounds, a bare Streamlit page with one Plotly chart served with the
    same flags: Streamlit's floor on this machine, and the ratio of each page to it.
@@ -50,6 +53,25 @@ new MutationObserver((_, observer) => {
 """Run in every page before its own scripts: the wall time (ms since the epoch) the first Plotly chart was drawn.
 Read from the page because Playwright's waits poll at 0, 20, 50, 100, 100 and then every 500 ms: a chart
 drawn at 0.3 s was seen at ~0.8 s, which made every page's time a step of 0.5 s."""
+SWITCH_SCRIPT = """
+(path) => new Promise((resolve) => {
+  const before = new Set(document.querySelectorAll('.main-svg'));
+  const link = [...document.querySelectorAll('[data-testid=stSidebarNav] a')]
+    .find(a => a.href === location.origin + '/' + path);
+  if (!link) { resolve(null); return; }
+  const clicked = performance.now();
+  const observer = new MutationObserver(() => {
+    for (const svg of document.querySelectorAll('.main-svg')) {
+      if (!before.has(svg)) { observer.disconnect(); resolve(performance.now() - clicked); return; }
+    }
+  });
+  observer.observe(document, {subtree: true, childList: true});
+  setTimeout(() => { observer.disconnect(); resolve(null); }, 30000);
+  link.click();
+})
+"""
+"""Run in the page: click the sidebar's link to ``path`` and resolve with the ms until a chart not on the
+page before is drawn (null when there is no such link, or no new chart within 30 s)."""
 SETTLE_MS = 2_000
 """After each first chart, the page is left this long to finish before the next navigation."""
 TARGET_RATIO = 1.5
@@ -178,7 +200,7 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
     bare_port = port + 1
     bare_command = [bare_app if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", bare_port)]
     processes = []
-    results: dict[str, dict[str, list[float]]] = {p: {"cold": [], "warm": []} for p in ["bare", *PAGES]}
+    results: dict[str, dict[str, list[float]]] = {p: {"cold": [], "warm": [], "switch": []} for p in ["bare", *PAGES]}
     try:
         processes.append(_serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
         processes.append(_serve(bare_command, bare_port))
@@ -214,6 +236,14 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
                     results[name]["cold"].append(first_chart(cold_page, url))
                     cold_page.context.close()
                     results[name]["warm"].append(first_chart(warm["bare" if name == "bare" else "kvtrace"], url))
+                # In-app: the same tab moving page to page by the sidebar's links, as users do once the
+                # dashboard is open (no new document: only the page's script run and its elements).
+                for name in PAGES:
+                    took = warm["kvtrace"].evaluate(SWITCH_SCRIPT, URLS.get(name, name))
+                    if took is None:
+                        raise RuntimeError(f"no new chart within 30 s of clicking the link to {name}")
+                    results[name]["switch"].append(took / 1000)
+                    warm["kvtrace"].wait_for_timeout(SETTLE_MS)
                 print(f"  browser: round {number + 1}/{rounds} done", file=sys.stderr)
             chromium.close()
     finally:
@@ -263,14 +293,17 @@ def main() -> int:
             print(f"\nbrowser (Chromium), median of {args.rounds} (s): navigation to the first Plotly chart, beside "
                   f"the bare one-chart Streamlit page in the same rounds (cold {bare['cold']:.2f}, warm "
                   f"{bare['warm']:.2f}); target: each ratio <= {TARGET_RATIO}")
-            print(f"  {'page':<14}{'cold':>8}{'range':>12}{'ratio':>7}{'warm':>8}{'range':>12}{'ratio':>7}")
+            print(f"  {'page':<14}{'cold':>8}{'range':>12}{'ratio':>7}{'warm':>8}{'range':>12}{'ratio':>7}"
+                  f"{'in-app':>8}{'range':>12}")
             missed = []
             for page, r in seen.items():
                 cold, warm = statistics.median(r["cold"]), statistics.median(r["warm"])
                 ratios = cold / bare["cold"], warm / bare["warm"]
                 spread = {k: f"{min(r[k]):.2f}-{max(r[k]):.2f}" for k in ("cold", "warm")}  # this VM's noise, per page
+                switch = (f"{statistics.median(r['switch']):>8.2f}{min(r['switch']):>7.2f}-{max(r['switch']):.2f}"
+                          if r["switch"] else "")
                 print(f"  {page:<14}{cold:>8.2f}{spread['cold']:>12}{ratios[0]:>7.2f}{warm:>8.2f}{spread['warm']:>12}"
-                      f"{ratios[1]:>7.2f}")
+                      f"{ratios[1]:>7.2f}{switch}")
                 if page == "bare":
                     continue
                 missed += [f"{page} {kind}" for kind, ratio in zip(("cold", "warm"), ratios) if ratio > TARGET_RATIO]
