@@ -72,22 +72,28 @@ def empty(message: str) -> NoData:
 # ------------------------------------------------------------------ parts of TTFT
 
 
-def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share: bool = False) -> go.Figure | NoData:
-    """Horizontal stacked bars of the five parts, one bar per row (its ``label`` names it): mean
-    ms, or each part's share of the mean TTFT (%)."""
+def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share_labels: bool = False) -> go.Figure | NoData:
+    """Horizontal stacked bars of the five parts' mean ms, one bar per row (its ``label`` names it).
+    ``share_labels``: each part carries its share of the mean TTFT inside it (where it fits), so that one
+    chart answers both "how long" and "what share"."""
     if not rows:
         return empty("no complete requests")
     names = [str(r[label]) for r in rows]
     data = []
     for part, column in zip(PARTS, PART_COLUMNS):
-        values = [(r[column] / r["ttft_ms"] * 100 if r["ttft_ms"] else 0) if share else r[column] for r in rows]
-        data.append({"type": "bar", "orientation": "h", "name": part, "y": names, "x": values,
-                     "marker": {"color": CATEGORY_COLORS[part]},
-                     "customdata": [[r[column], r["ttft_ms"], r.get("requests", 0)] for r in rows],
-                     "hovertemplate": f"<b>%{{y}}</b> {part}: %{{customdata[0]:.1f}} ms of %{{customdata[1]:.1f}} "
-                                      f"ms TTFT (%{{customdata[2]}} requests)<extra></extra>"})
-    x = _axis("share of TTFT (%)", range=[0, 100], ticksuffix="%") if share else _axis("mean time (ms)")
-    return _figure(data, x=x, y=_axis(None, autorange="reversed"), height=120 + 45 * len(rows), barmode="stack")
+        shares = [r[column] / r["ttft_ms"] * 100 if r["ttft_ms"] else 0 for r in rows]
+        trace = {"type": "bar", "orientation": "h", "name": part, "y": names, "x": [r[column] for r in rows],
+                 "marker": {"color": CATEGORY_COLORS[part]},
+                 "customdata": [[r[column], r["ttft_ms"], r.get("requests", 0), s] for r, s in zip(rows, shares)],
+                 "hovertemplate": f"<b>%{{y}}</b> {part}: %{{customdata[0]:.1f}} ms of %{{customdata[1]:.1f}} "
+                                  f"ms TTFT, %{{customdata[3]:.1f}} % (%{{customdata[2]}} requests)<extra></extra>"}
+        if share_labels:
+            trace.update(text=[f"{s:.0f} %" for s in shares], textposition="inside", insidetextanchor="middle",
+                         textangle=0)
+        data.append(trace)
+    layout = {"uniformtext": {"minsize": 10, "mode": "hide"}} if share_labels else {}  # a label that does not fit: none
+    return _figure(data, x=_axis("mean time (ms)"), y=_axis(None, autorange="reversed"), height=120 + 45 * len(rows),
+                   barmode="stack", **layout)
 
 
 def cohort_rows(cohorts: Sequence[dict]) -> list[dict]:

@@ -32,8 +32,10 @@ def kpi_strip() -> None:
 kpi_strip()
 
 by_mode = data.parts_by_mode(f).to_pylist()
-ui.side_by_side(("Share of TTFT, by mode", charts.stacked_parts(by_mode, share=True), "share_by_mode"),
-                ("Mean TTFT and its parts, by mode", charts.stacked_parts(by_mode), "ms_by_mode"))
+st.subheader("Mean TTFT and its parts, by mode")
+# One chart for "how long" and "what share" (each part's share inside its bar): a second chart of the same
+# bars in % cost the page's first paint a chart (README, "At a million requests").
+ui.chart(charts.stacked_parts(by_mode, share_labels=True), key="parts_by_mode")
 
 
 def cohorts() -> None:

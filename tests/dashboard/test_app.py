@@ -106,13 +106,13 @@ def test_a_pages_secondary_views_are_drawn_only_while_open(monkeypatch, stores):
 
     at = _app(monkeypatch, stores["mixed"])
     assert _sections(at) == ["A typical request against the slowest 1 %", "TTFT over time"]
-    assert len(_figures(at)) == 2  # the two by mode: no secondary view is drawn on arrival
+    assert len(_figures(at)) == 1  # the parts by mode: no secondary view is drawn on arrival
     _open_section(at, "overview", "TTFT over time")
-    assert len(_figures(at)) == 3 and "time (UTC)" in x_titles(at)
+    assert len(_figures(at)) == 2 and "time (UTC)" in x_titles(at)
     _open_section(at, "overview", "A typical request against the slowest 1 %")
-    assert len(_figures(at)) == 4  # both open
+    assert len(_figures(at)) == 3  # both open
     _open_section(at, "overview", "TTFT over time", open_=False)
-    assert len(_figures(at)) == 3 and "time (UTC)" not in x_titles(at)  # closed: no longer drawn
+    assert len(_figures(at)) == 2 and "time (UTC)" not in x_titles(at)  # closed: no longer drawn
     at.switch_page("app_pages/push_vs_pull.py").run()
     assert len(_figures(at)) == 2  # the CDF and the parts side by side
     assert len(at.dataframe) == 1  # the parts' difference, not the transfer's table
@@ -128,16 +128,15 @@ def test_overview_numbers_are_the_stores(monkeypatch, stores):
     assert metrics["TTFT p50"] == f"{k['ttft_p50_ms']:.3g} ms"  # three significant digits: the column is narrow
     assert metrics["Incomplete"] == "1" and metrics["Failed"] == "1"
     by_mode = {r["mode"]: r for r in open_store(stores["mixed"]).parts_by_mode(Filters()).to_pylist()}
-    absolute = _figures(at)[1]  # mean ms by mode
-    for trace in absolute["data"]:
-        for mode, value in zip(trace["y"], trace["x"]):
-            assert value == pytest.approx(by_mode[mode][f"{trace['name']}_ms"])
+    parts = _figures(at)[0]  # mean ms by mode, each part's share inside its bar
+    for trace in parts["data"]:
+        for mode, value, share in zip(trace["y"], trace["x"], trace["text"]):
+            row = by_mode[mode]
+            assert value == pytest.approx(row[f"{trace['name']}_ms"])
+            assert share == f"{row[trace['name'] + '_ms'] / row['ttft_ms'] * 100:.0f} %"
     for mode, row in by_mode.items():  # the bars add up to TTFT
-        total = sum(t["x"][t["y"].index(mode)] for t in absolute["data"])
+        total = sum(t["x"][t["y"].index(mode)] for t in parts["data"])
         assert total == pytest.approx(row["ttft_ms"])
-    shares = _figures(at)[0]
-    for mode in by_mode:
-        assert sum(t["x"][t["y"].index(mode)] for t in shares["data"]) == pytest.approx(100)
 
 
 def _summary(at: AppTest) -> str:
