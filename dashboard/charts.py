@@ -106,12 +106,13 @@ def cohort_rows(cohorts: Sequence[dict]) -> list[dict]:
 
 
 def parts_side_by_side(rows: Sequence[dict]) -> go.Figure | NoData:
-    """Each part's mean per mode, grouped by part."""
+    """Each part's mean per mode, grouped by part, its value (ms) on each bar."""
     if not rows:
         return empty("no complete requests")
     data = [{"type": "bar", "name": row["mode"], "x": list(PARTS), "y": [row[c] for c in PART_COLUMNS],
-             "marker": {"color": mode_color(row["mode"])},
-             "hovertemplate": f"{row['mode']} %{{x}}: %{{y:.2f}} ms<extra></extra>"} for row in rows]
+             "marker": {"color": mode_color(row["mode"])}, "texttemplate": "%{y:.1f}", "textposition": "outside",
+             "cliponaxis": False, "hovertemplate": f"{row['mode']} %{{x}}: %{{y:.2f}} ms<extra></extra>"}
+            for row in rows]
     return _figure(data, x=_axis("part of TTFT"), y=_axis("mean time per request (ms)"), barmode="group")
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
-from kvtrace.collectors.read import Filters, StoreUnavailable, length_label
+from kvtrace.collectors.read import PART_COLUMNS, PARTS, Filters, StoreUnavailable, length_label
 from kvtrace.telemetry import semconv
 
 from . import charts, data
@@ -249,6 +249,18 @@ def _utc(value: datetime) -> str:
 
 def ms(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f} ms"
+
+
+def difference_line(push: dict[str, Any], pull: dict[str, Any]) -> str:
+    """Pull's mean TTFT minus push's and each part's difference, largest first, in one Markdown line:
+    "**Pull − push: TTFT +26.30 ms** (pull 126.30 ms, push 100.00 ms); by part: coordination +25.00 ms · …"."""
+    def signed(value: float) -> str:
+        return f"{value:+,.2f} ms".replace("-", "\u2212")
+
+    parts = sorted(((pull[c] - push[c], part) for part, c in zip(PARTS, PART_COLUMNS)), key=lambda d: -abs(d[0]))
+    return (f"**Pull \u2212 push: TTFT {signed(pull['ttft_ms'] - push['ttft_ms'])}** (pull {ms(pull['ttft_ms'], 2)}, "
+            f"push {ms(push['ttft_ms'], 2)}); by part: "
+            + " · ".join(f"{part} {signed(difference)}" for difference, part in parts))
 
 
 def ms_short(value: float | None, approximate: bool = False) -> str:

@@ -4,6 +4,7 @@ contract traces: what the page shows must be what the store holds."""
 from __future__ import annotations
 
 import json
+import re
 
 import duckdb
 import pytest
@@ -115,9 +116,9 @@ def test_a_pages_secondary_views_are_drawn_only_while_open(monkeypatch, stores):
     assert len(_figures(at)) == 2 and "time (UTC)" not in x_titles(at)  # closed: no longer drawn
     at.switch_page("app_pages/push_vs_pull.py").run()
     assert len(_figures(at)) == 2  # the CDF and the parts side by side
-    assert len(at.dataframe) == 1  # the parts' difference, not the transfer's table
+    assert not at.dataframe  # not the transfer's table
     _open_section(at, "push_vs_pull", "The transfer itself")
-    assert len(at.dataframe) == 2 and any("MB/s (NIXL)" in d.value.columns for d in at.dataframe)
+    assert len(at.dataframe) == 1 and "MB/s (NIXL)" in at.dataframe[0].value.columns
 
 
 def test_overview_numbers_are_the_stores(monkeypatch, stores):
@@ -182,11 +183,21 @@ def test_filter_widgets_are_drawn_only_while_opened_and_their_choice_outlives_th
 
 def test_push_vs_pull_shows_both_and_their_difference(monkeypatch, stores):
     at = _app(monkeypatch, stores["mixed"], "push_vs_pull")
-    table = at.dataframe[0].value
-    rows = {row["part"]: row for row in table.to_dict("records")}
-    assert rows["TTFT"]["pull − push (ms)"] == pytest.approx(rows["TTFT"]["pull (ms)"] - rows["TTFT"]["push (ms)"])
-    assert sum(rows[p]["push (ms)"] for p in ("compute", "queue", "coordination", "wire", "unattributed")) == \
-        pytest.approx(rows["TTFT"]["push (ms)"])
+    by_mode = {r["mode"]: r for r in open_store(stores["mixed"]).parts_by_mode(Filters()).to_pylist()}
+    push, pull = by_mode["push"], by_mode["pull"]
+    line = next(m.value for m in at.markdown if m.value.startswith("**Pull"))
+    ttft = pull["ttft_ms"] - push["ttft_ms"]
+    assert f"TTFT {ttft:+,.2f} ms".replace("-", "\u2212") in line
+    assert f"(pull {pull['ttft_ms']:,.2f} ms, push {push['ttft_ms']:,.2f} ms)" in line
+    named = re.findall(r"(compute|queue|coordination|wire|unattributed) ([+\u2212][\d,.]+) ms", line)
+    differences = {part: float(value.replace("\u2212", "-").replace(",", "")) for part, value in named}
+    assert len(named) == 5  # every part, the largest difference first
+    assert list(differences) == sorted(differences, key=lambda p: -abs(pull[f"{p}_ms"] - push[f"{p}_ms"]))
+    for part, value in differences.items():
+        assert value == pytest.approx(pull[f"{part}_ms"] - push[f"{part}_ms"], abs=0.005)
+    assert sum(differences.values()) == pytest.approx(ttft, abs=0.03)  # the parts add up to TTFT, per mode
+    bars = next(f for f in _figures(at) if f["data"][0].get("texttemplate"))  # each mode's values on its bars
+    assert {t["name"] for t in bars["data"]} == {"push", "pull"}
     at = _app(monkeypatch, stores["push"], "push_vs_pull")
     assert any("Only one mode" in c.value for c in at.caption)
 
