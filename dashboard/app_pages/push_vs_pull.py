@@ -16,8 +16,8 @@ st.subheader("Parts of TTFT, side by side")
 ui.chart(charts.parts_side_by_side(by_mode), key="side_by_side")
 modes = {row["mode"]: row for row in by_mode}
 if {"push", "pull"} <= modes.keys():
-    # The answer in one line, largest difference first (a table of the same numbers cost the first paint
-    # ~30 ms: README, "At a million requests"); each mode's values are on the bars above.
+    # The page's answer in one line, largest difference first, rather than a table of the same numbers to
+    # read through; each mode's values are on the bars above.
     st.markdown(ui.difference_line(modes["push"], modes["pull"]))
 else:
     st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
