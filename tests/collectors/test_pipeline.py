@@ -117,8 +117,8 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
 
 
 def test_every_span_keeps_its_own_name_and_stage(make_collector):
-    """Span names and stages are written dictionary-encoded (``store._low_cardinality``): each stored row
-    must still hold its own span's name and stage, over several export requests in one flush, with a
+    """The span table's name and stage columns are built per flush from every batch's columns at once: each
+    stored row must hold its own span's name and stage, over several export requests in one flush, with a
     name outside the contract (non-ASCII) among them."""
     collector = make_collector()
     requests = shuffled_span_requests([build("push", "kv_first"), build("pull"), build("pull", fail="read")], seed=5)
