@@ -299,9 +299,8 @@ def main() -> int:
             for page, r in seen.items():
                 cold, warm = statistics.median(r["cold"]), statistics.median(r["warm"])
                 ratios = cold / bare["cold"], warm / bare["warm"]
-                spread = {k: f"{min(r[k]):.2f}-{max(r[k]):.2f}" for k in ("cold", "warm")}  # this VM's noise, per page
-                switch = (f"{statistics.median(r['switch']):>8.2f}{min(r['switch']):>7.2f}-{max(r['switch']):.2f}"
-                          if r["switch"] else "")
+                spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in r.items() if v}  # this VM's noise, per page
+                switch = f"{statistics.median(r['switch']):>8.2f}{spread['switch']:>12}" if r["switch"] else ""
                 print(f"  {page:<14}{cold:>8.2f}{spread['cold']:>12}{ratios[0]:>7.2f}{warm:>8.2f}{spread['warm']:>12}"
                       f"{ratios[1]:>7.2f}{switch}")
                 if page == "bare":

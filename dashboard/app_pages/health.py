@@ -71,4 +71,4 @@ def fleet_view() -> None:
 
 
 ui.lazy_sections("health_more", {"Unattributed time and incomplete traces": traces, "The collector": collector_counters,
-                            **({"Fleet: the collectors reading Kafka": fleet_view} if fleet else {})})
+                                 **({"Fleet: the collectors reading Kafka": fleet_view} if fleet else {})})
