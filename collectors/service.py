@@ -30,6 +30,7 @@ from .attribution import Attributor
 from .breakdown import Breakdown
 from .breakdown_span import BreakdownSpans
 from .clocks import ClockBook, SharedSamples
+from .compiled import running_as_python
 from .config import CollectorConfig
 from .forwarder import DecidedTraceForwarder, Upstream
 from .metrics import CollectorMetrics
@@ -254,6 +255,10 @@ class Collector:
         if DECODER != "native":
             logger.warning("kvtrace collector: the native OTLP decoder is not built (no C compiler at install?); "
                            "decoding in Python, several times slower")
+        as_python = running_as_python()
+        if as_python:
+            logger.warning("kvtrace collector: per-trace modules running as Python, not compiled (~25%% more CPU "
+                           "a trace): %s", "; ".join(f"{name}: {why}" for name, why in as_python.items()))
         self.store.start(installed_version("kvtrace") or "unknown",
                          {k: v for k, v in vars(c).items() if k != "bearer_token"})
         for upstream in self.upstreams:

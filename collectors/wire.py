@@ -12,14 +12,16 @@ import os
 import struct
 from collections.abc import Sequence
 
+from .compiled import PURE_ENV
+
 # The native module (_otlp.c), None where it is not built: then the Python halves work alone (here,
-# model.decode_python, store.stage_columns). KVTRACE_PURE_PYTHON_DECODER turns every native half off,
-# to compare them or to rule them out.
+# model.decode_python, store.stage_columns). KVTRACE_PURE_PYTHON turns every native half off (and runs
+# the compiled modules as Python: .compiled), to compare them or to rule them out.
 try:
     from . import _otlp as native
 except ImportError:  # installed without a C compiler
     native = None
-if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):
+if os.environ.get(PURE_ENV):
     native = None
 
 _BYTE = [bytes([value]) for value in range(0x80)]

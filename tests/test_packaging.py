@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvtrace.collectors import compiled
+
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("connector", "telemetry", "collectors", "dashboard")
 
@@ -26,6 +28,11 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     # the dashboard's pages are scripts Streamlit runs by path, shipped as package data
     assert {"kvtrace/dashboard/app_pages/overview.py", "kvtrace/dashboard/icon.png"} <= set(names)
     assert any(n.startswith("kvtrace/collectors/_otlp.") and n.endswith(".so") for n in names)  # native decoder
+    for module in compiled.MODULES:  # compiled by Cython, shipped beside their sources and the build's record
+        assert any(n.startswith(f"kvtrace/collectors/{module}.") and n.endswith(".so") for n in names), module
+        assert f"kvtrace/collectors/{module}.py" in names
+    record = json.loads(zipfile.ZipFile(wheel).read(f"kvtrace/collectors/{compiled.RECORD}"))
+    assert record == {m: compiled.source_digest(ROOT / "collectors" / f"{m}.py") for m in compiled.MODULES}
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvtrace = kvtrace.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -36,10 +43,12 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
     installed = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
     assert installed - {"bin"} == {"kvtrace"}  # bin/ holds the console script
     probe = ("import kvtrace.telemetry, kvtrace.connector, kvtrace.collectors, kvtrace.dashboard;"
-             "from kvtrace.collectors import model; print(kvtrace.telemetry.__file__, model.DECODER)")
+             "from kvtrace.collectors import attribution, compiled, model;"
+             "print(kvtrace.telemetry.__file__, model.DECODER, sorted(set(compiled.status().values())))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(target)}).stdout
-    assert out.strip().startswith(str(target / "kvtrace" / "telemetry")) and out.strip().endswith(" native")
+    assert out.strip().startswith(str(target / "kvtrace" / "telemetry"))
+    assert out.strip().endswith(" native ['compiled']")  # the decoder native, the per-trace modules compiled
     assert "kvtrace/collectors/read/reader.py" in names
     # From the wheel, a benchmark says it needs a checkout (its scripts are not installed), in one line.
     bench = subprocess.run([sys.executable, "-m", "kvtrace", "bench", "recorder"], cwd=tmp_path, capture_output=True,
@@ -49,10 +58,12 @@ def test_wheel_installs_only_the_kvtrace_namespace(tmp_path):
 
 def test_editable_install_resolves_the_root_folders(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import kvtrace.telemetry as t, kvtrace.collectors._otlp as n;"
-                          "print(t.__file__); print(n.__file__)"],
+                          "import kvtrace.collectors.attribution as a; print(t.__file__); print(n.__file__);"
+                          "print(a.__file__)"],
                          cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()
     assert Path(out[0]) == ROOT / "telemetry" / "__init__.py"
     assert Path(out[1]).parent == ROOT / "collectors"  # the native decoder, built in place
+    assert Path(out[2]).parent == ROOT / "collectors" and out[2].endswith(".so")  # compiled in place too
 
 
 def test_gpu_extra_resolves_with_vllm_0_33(tmp_path):

@@ -12,7 +12,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, Instr
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from kvtrace.collectors import model
+from kvtrace.collectors import compiled, model
 from kvtrace.collectors.model import PermanentError, SpanRow
 from tests.collectors.traces import BASE_NS, build
 
@@ -21,7 +21,7 @@ native = pytest.mark.skipif(model._otlp is None, reason="native decoder not buil
 
 def test_the_native_decoder_is_built():
     # Installed from this repository with a C compiler, the collector must not fall back silently.
-    if os.environ.get("KVTRACE_PURE_PYTHON_DECODER"):
+    if os.environ.get(compiled.PURE_ENV):
         pytest.skip("the Python decoder was asked for")
     assert model.DECODER == "native"
 
