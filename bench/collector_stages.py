@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from collector_ingest import STAGES, make_load  # noqa: E402
 
+from kvtrace.collectors.compiled import running_as_python  # noqa: E402
 from kvtrace.collectors.config import CollectorConfig  # noqa: E402
 from kvtrace.collectors.model import DECODER, SpanBatch  # noqa: E402
 from kvtrace.collectors.service import GC_YOUNG_THRESHOLD, Collector  # noqa: E402
@@ -116,6 +117,8 @@ def main() -> int:
 
     total = sum(costs.values())
     print(f"{spans:,} spans ({stored:,} stored, {attributed:,} traces attributed), one thread, CPU time per span:")
+    as_python = running_as_python()
+    print(f"  (per-trace modules {'running as Python: ' + ', '.join(as_python) if as_python else 'compiled'})")
     for stage, seconds in costs.items():
         print(f"  {stage:<33}{seconds / spans * 1e6:>7.2f} µs  {seconds / total:>6.1%}")
     print(f"  {'total':<33}{total / spans * 1e6:>7.2f} µs  -> {spans / total:,.0f} spans per CPU-second")
