@@ -72,7 +72,10 @@ class _CompiledWhileCurrent(importlib.abc.MetaPathFinder):
             return ""  # shipped without its source: the extension is all there is
         if os.environ.get(PURE_ENV):
             return f"{PURE_ENV} is set"
-        if self._record(source.parent).get(name) != source_digest(source):
+        compiled_from = self._record(source.parent).get(name)
+        if compiled_from is None:
+            return f"no {RECORD} beside it says what it was compiled from (reinstall)"
+        if compiled_from != source_digest(source):
             return f"{source} changed since it was compiled (reinstall to compile it again)"
         return ""
 

@@ -53,6 +53,22 @@ def test_an_edited_source_runs_as_python_and_the_rest_compiled(tmp_path):
     assert status["clocks"] == status["breakdown"] == "compiled"
 
 
+def test_without_the_build_record_every_module_runs_as_python(tmp_path):
+    """Extensions whose build left no record of their sources cannot be shown current: run as Python."""
+    if not attribution.__file__.endswith(".so"):
+        pytest.skip("not compiled here")
+    copy = tmp_path / "collectors"
+    shutil.copytree(COLLECTORS, copy, ignore=shutil.ignore_patterns("__pycache__", compiled.RECORD))
+    out = _run("import json, kvtrace.collectors as c;"
+               f"c.__path__[:] = [{str(copy)!r}];"
+               "import kvtrace.collectors.attribution as a;"
+               "print(json.dumps([a.__file__, c.compiled.running_as_python()]))")
+    attribution_file, as_python = json.loads(out)
+    assert attribution_file == str(copy / "attribution.py")
+    assert sorted(as_python) == sorted(compiled.MODULES)
+    assert all(f"no {compiled.RECORD} beside it" in why for why in as_python.values())
+
+
 def test_pure_python_is_asked_for_by_environment():
     out = _run("import json; from kvtrace.collectors import attribution, compiled, model;"
                "print(json.dumps([attribution.__file__, model.DECODER, compiled.status()]))",
