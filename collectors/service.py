@@ -257,7 +257,7 @@ class Collector:
                            "decoding in Python, several times slower")
         as_python = running_as_python()
         if as_python:
-            logger.warning("kvtrace collector: per-trace modules running as Python, not compiled (~25%% more CPU "
+            logger.warning("kvtrace collector: per-trace modules running as Python, not compiled (~1.35x the CPU "
                            "a trace): %s", "; ".join(f"{name}: {why}" for name, why in as_python.items()))
         self.store.start(installed_version("kvtrace") or "unknown",
                          {k: v for k, v in vars(c).items() if k != "bearer_token"})
