@@ -411,7 +411,10 @@ class ClockAligner:
             bounds[reference] = 0
         suspect = False
 
-        def place(span: Any, lower: float | None, upper: float | None) -> int:
+        def place(span: Any, lower: float | None, upper: float | None,
+                  checked: tuple[float | None, float | None] | None = None) -> int:
+            """The instance's offset, estimated from [lower, upper] where not measured; a measured one
+            outside ``checked`` (by default [lower, upper]) by more than its bound is suspect."""
             nonlocal suspect
             instance = span.origin.instance
             estimate = self.estimator.update((reference, instance), lower, upper)
@@ -421,7 +424,8 @@ class ClockAligner:
                 return estimate
             offset, bound = measured
             offsets[instance], bounds[instance] = offset, bound
-            if (lower is not None and offset < lower - bound) or (upper is not None and offset > upper + bound):
+            low, high = checked or (lower, upper)
+            if (low is not None and offset < low - bound) or (high is not None and offset > high + bound):
                 suspect = True
             return offset
 
@@ -451,7 +455,14 @@ class ClockAligner:
             token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
             back = leg.end if leg is not None else first_token_at_router
             upper = back - token.end if token is not None else None
-            place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
+            tight_lower, tight_upper = _tighten_with_prefill(index, p_offset, lower, upper)
+            # Checked, the pairs with P are looser: they reach the router's clock through P's offset, within
+            # P's bound (where measured), and D's registration may have reached P before D's span of it ended.
+            p_bound = bounds.get(p_any.origin.instance, 0) if p_any is not None else 0
+            low = tight_lower if tight_lower == lower else _max(lower, tight_lower - p_bound)
+            high = tight_upper if tight_upper == upper else \
+                _min(upper, tight_upper + p_bound + _registration_in_flight(index))
+            place(d_any, tight_lower, tight_upper, checked=(low, high))
         return offsets, bounds, suspect
 
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
@@ -482,6 +493,23 @@ def _pull_pairs(index):
     if read is not None and released is not None:
         upper = released.start - read.start
     return lower, upper
+
+
+def _max(a, b):
+    """The larger of two bounds, either of which may be None (no bound)."""
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _min(a, b):
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _registration_in_flight(index) -> int:
+    """How long before D's registration span ended P may already have had it: PUSH_REG leaves somewhere
+    inside that span (it ends once the send returns; on loopback P's receipt came up to 0.6 ms before).
+    The estimate keeps the span's end, the tighter pair; a measured offset is suspect only beyond this."""
+    d_reg = index.get(D_REGISTRATION)
+    return d_reg.end - d_reg.start if d_reg is not None else 0
 
 
 def _tighten_with_prefill(index, p_offset: int, lower, upper):

@@ -178,6 +178,27 @@ def test_a_measurement_the_span_order_contradicts_is_flagged():
     assert breakdown.clock_suspect
 
 
+def _with_p_receiving_the_registration_at(rows, at_ns: int):
+    """The rows with P's registration (an instant: PUSH_REG received) moved to ``at_ns``."""
+    return [r._replace(start=at_ns, end=at_ns) if (r.origin.side, r.stage) == ("prefill", "registration") else r
+            for r in rows]
+
+
+def test_a_registration_received_before_ds_span_of_it_ended_is_not_suspect():
+    """D's registration span ends once PUSH_REG's send returns; P can have it before then (0.6 ms before, in
+    a real pair on loopback). With every clock true and measured, that is no contradiction; P receiving it
+    before D's span even began is one."""
+    book = ClockBook()
+    _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0})
+    built = build("push")
+    rows = _rows(built)
+    d_reg = next(r for r in rows if (r.origin.side, r.stage) == ("decode", "registration"))
+    early = _with_p_receiving_the_registration_at(rows, d_reg.end - int(0.6 * MS))
+    assert not Attributor(book).attribute(built.trace_id, early).clock_suspect
+    impossible = _with_p_receiving_the_registration_at(rows, d_reg.start - int(1.5 * MS))
+    assert Attributor(book).attribute(built.trace_id, impossible).clock_suspect
+
+
 def test_without_measurements_the_causal_estimate_stands(monkeypatch):
     built = build("pull", skew_ms={"decode": 40.0})
     attributor = Attributor(ClockBook())  # nobody exchanged
