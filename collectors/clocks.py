@@ -432,8 +432,11 @@ class ClockAligner:
         get = index.get
         if root is None:  # P is the reference: only the P<->D pairs bound D
             if d_any is not None:
-                place(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push"
-                               else _pull_pairs(index)))
+                if mode == "push":
+                    estimated, checked = _tighten_with_prefill(index, 0, None, None)
+                    place(d_any, *estimated, checked=checked)
+                else:
+                    place(d_any, *_pull_pairs(index))
             return offsets, bounds, suspect
         route = get(ROUTE)
         route_end = route.end if route is not None else root.start
@@ -455,14 +458,9 @@ class ClockAligner:
             token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
             back = leg.end if leg is not None else first_token_at_router
             upper = back - token.end if token is not None else None
-            tight_lower, tight_upper = _tighten_with_prefill(index, p_offset, lower, upper)
-            # Checked, the pairs with P are looser: they reach the router's clock through P's offset, within
-            # P's bound (where measured), and D's registration may have reached P before D's span of it ended.
             p_bound = bounds.get(p_any.origin.instance, 0) if p_any is not None else 0
-            low = tight_lower if tight_lower == lower else _max(lower, tight_lower - p_bound)
-            high = tight_upper if tight_upper == upper else \
-                _min(upper, tight_upper + p_bound + _registration_in_flight(index))
-            place(d_any, tight_lower, tight_upper, checked=(low, high))
+            estimated, checked = _tighten_with_prefill(index, p_offset, lower, upper, p_bound)
+            place(d_any, *estimated, checked=checked)
         return offsets, bounds, suspect
 
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
@@ -504,23 +502,22 @@ def _min(a, b):
     return b if a is None else a if b is None else min(a, b)
 
 
-def _registration_in_flight(index) -> int:
-    """How long before D's registration span ended P may already have had it: PUSH_REG leaves somewhere
-    inside that span (it ends once the send returns; on loopback P's receipt came up to 0.6 ms before).
-    The estimate keeps the span's end, the tighter pair; a measured offset is suspect only beyond this."""
-    d_reg = index.get(D_REGISTRATION)
-    return d_reg.end - d_reg.start if d_reg is not None else 0
-
-
-def _tighten_with_prefill(index, p_offset: int, lower, upper):
-    """Push: D's registration left before P received it; P posted the WRITE before D saw it land."""
+def _tighten_with_prefill(index, p_offset: int, lower, upper, p_bound: int = 0):
+    """Push: D's registration left before P received it; P posted the WRITE before D saw it land.
+    Returns ((lower, upper) tightened by those pairs, for the estimate; (lower, upper) to check a measured
+    offset against: the pairs only as far as they are strictly causal). D's registration span ends once
+    PUSH_REG's send has returned, and P can have it before then (0.6 ms before, in a real pair on
+    loopback): checked from the span's start. A pair through P's offset is off by up to P's bound."""
     get = index.get
+    check_lower, check_upper = lower, upper
     d_reg, p_reg = get(D_REGISTRATION), get(P_REGISTRATION)
     if d_reg is not None and p_reg is not None:
         bound = p_reg.start + p_offset - d_reg.end
-        upper = bound if upper is None else min(upper, bound)
+        upper = _min(upper, bound)
+        check_upper = _min(check_upper, bound + (d_reg.end - d_reg.start) + p_bound)
     write, d_done = get(WRITE), get(D_COMPLETION)
     if write is not None and d_done is not None:
         bound = write.start + p_offset - d_done.start
-        lower = bound if lower is None else max(lower, bound)
-    return lower, upper
+        lower = _max(lower, bound)
+        check_lower = _max(check_lower, bound - p_bound)
+    return (lower, upper), (check_lower, check_upper)

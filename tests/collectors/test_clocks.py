@@ -184,13 +184,14 @@ def _with_p_receiving_the_registration_at(rows, at_ns: int):
             for r in rows]
 
 
-def test_a_registration_received_before_ds_span_of_it_ended_is_not_suspect():
+@pytest.mark.parametrize("drop", [set(), {"router"}])  # the router's clock the reference, or P's
+def test_a_registration_received_before_ds_span_of_it_ended_is_not_suspect(drop):
     """D's registration span ends once PUSH_REG's send returns; P can have it before then (0.6 ms before, in
     a real pair on loopback). With every clock true and measured, that is no contradiction; P receiving it
     before D's span even began is one."""
     book = ClockBook()
     _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0})
-    built = build("push")
+    built = build("push", drop=drop)
     rows = _rows(built)
     d_reg = next(r for r in rows if (r.origin.side, r.stage) == ("decode", "registration"))
     early = _with_p_receiving_the_registration_at(rows, d_reg.end - int(0.6 * MS))
