@@ -151,7 +151,15 @@ class Router:
 
     async def _start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=10)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        legs_written = aiohttp.TraceConfig()
+        legs_written.on_request_chunk_sent.append(self._leg_written)
+        self._session = aiohttp.ClientSession(timeout=timeout, trace_configs=[legs_written])
+
+    async def _leg_written(self, session: Any, context: Any, params: Any) -> None:
+        """aiohttp wrote (the first chunk of) a leg's body to its socket: the leg has left."""
+        sent = context.trace_request_ctx
+        if isinstance(sent, LegSent) and not sent.written:
+            sent.ns, sent.written = self._rec.now(), True
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
@@ -184,7 +192,6 @@ class Router:
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
         ex = self._exchange(request, body, t_in)
         try:
-            self._rec.record(ex.trace, Stage.PD_ROUTE, t_in, self._rec.now(), ex.attrs)
             legs = self._pull_legs if self.config.mode is Mode.PULL else self._push_legs
             first_chunk, stream = await legs(request.path, body, ex)
             if body.get("stream"):
@@ -215,26 +222,27 @@ class Router:
         headers = {"X-Request-Id": request_id, "traceparent": trace.traceparent, "Content-Type": "application/json"}
         if auth := request.headers.get("Authorization"):
             headers["Authorization"] = auth
-        return Exchange(t_in=t_in, chat=chat, engine_id=engine_id, trace=trace,
+        return Exchange(t_in=t_in, routed_ns=self._rec.now(), chat=chat, engine_id=engine_id, trace=trace,
                         root_parent=TraceRef(trace.trace_id, parent.span_id if parent else 0, trace.sampled),
                         attrs={semconv.ATTR_REQUEST_ID: engine_id}, headers=headers)
 
     async def _pull_legs(self, path: str, body: dict, ex: "Exchange"):
         """Pull: P first, then its KV params relayed to D; D's first chunk and the rest of its stream."""
         p_params = await self._prefill(path, leg_body(*self._prefill_body(body, ex.trace)), ex.headers, ex.trace,
-                                       ex.attrs)
+                                       ex.attrs, ex.p_sent)
         t_relay = self._rec.now()
         p_params = {**p_params, PARAM_TRACEPARENT: ex.trace.traceparent}
-        stream = self._decode(path, body, p_params, ex.headers, ex.decoded, ex.sent)
+        stream = self._decode(path, body, p_params, ex.headers, ex.decoded, ex.d_sent)
         first_chunk = await anext(stream)
-        self._rec.record(ex.trace, Stage.REGISTRATION, t_relay, ex.sent.get("ns", t_relay), ex.attrs)
+        self._rec.record(ex.trace, Stage.REGISTRATION, t_relay, ex.d_sent.ns or t_relay, ex.attrs)
         return first_chunk, stream
 
     async def _push_legs(self, path: str, body: dict, ex: "Exchange"):
         """Push: both legs at once (D registers while P prefills); D's first chunk and the rest of its stream."""
         prefill_body = leg_body(*self._prefill_body(body, ex.trace))
-        prefill = asyncio.ensure_future(self._prefill(path, prefill_body, ex.headers, ex.trace, ex.attrs))
-        stream = self._decode(path, body, self._push_params(ex.engine_id, ex.trace), ex.headers, ex.decoded, ex.sent)
+        prefill = asyncio.ensure_future(self._prefill(path, prefill_body, ex.headers, ex.trace, ex.attrs, ex.p_sent))
+        stream = self._decode(path, body, self._push_params(ex.engine_id, ex.trace), ex.headers, ex.decoded,
+                              ex.d_sent)
         decode_first = asyncio.ensure_future(anext(stream))
         try:
             await asyncio.wait([prefill, decode_first], return_when=asyncio.FIRST_EXCEPTION)
@@ -255,7 +263,7 @@ class Router:
         # host could run others between the two and the router's TTFT would outlast the client's.
         ex.first_token_ns = self._rec.now()
         await response.write(first_chunk)
-        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.sent.get("ns", ex.first_token_ns), ex.first_token_ns, ex.attrs)
+        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.d_sent.ns or ex.first_token_ns, ex.first_token_ns, ex.attrs)
         async for event in stream:
             await response.write(event)
         await response.write_eof()
@@ -263,11 +271,13 @@ class Router:
 
     async def _whole_answer(self, ex: "Exchange", first_chunk: bytes, stream) -> web.Response:
         ex.first_token_ns = self._rec.now()  # a plain response: the first token is in the router's hands
-        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.sent.get("ns", ex.first_token_ns), ex.first_token_ns, ex.attrs)
+        self._rec.record(ex.trace, Stage.DECODE_LEG, ex.d_sent.ns or ex.first_token_ns, ex.first_token_ns, ex.attrs)
         return web.json_response(assemble([first_chunk] + [event async for event in stream], ex.chat))
 
     def _record_request(self, ex: "Exchange") -> None:
-        """The root span, ``pd.request``: status, the router's TTFT, last token and output tokens."""
+        """``pd.route`` (to P's leg leaving; the router's own routing and sending) and the root span,
+        ``pd.request``: status, the router's TTFT, last token and output tokens."""
+        self._rec.record(ex.trace, Stage.PD_ROUTE, ex.t_in, ex.p_sent.ns or ex.routed_ns, ex.attrs)
         root_attrs = {**ex.attrs, semconv.ATTR_HTTP_STATUS: ex.status}
         if ex.first_token_ns:
             root_attrs[semconv.ATTR_ROUTER_TTFT_NS] = ex.first_token_ns - ex.t_in
@@ -296,13 +306,15 @@ class Router:
                 "remote_request_id": engine_request_id, "remote_block_ids": [],
                 PARAM_TRACEPARENT: trace.traceparent}
 
-    async def _prefill(self, path: str, body: bytes, headers: dict, trace: TraceRef, attrs: dict) -> dict:
+    async def _prefill(self, path: str, body: bytes, headers: dict, trace: TraceRef, attrs: dict,
+                       sent: "LegSent") -> dict:
         """P's leg: its answer's kv_transfer_params; ``pd.prefill_leg`` spans it (sent -> answered)."""
         assert self._session is not None
-        sent = self._rec.now()
-        async with self._session.post(self.config.prefill + path, data=body, headers=headers) as resp:
+        sent.ns = self._rec.now()
+        async with self._session.post(self.config.prefill + path, data=body, headers=headers,
+                                      trace_request_ctx=sent) as resp:
             payload = await resp.read()
-            self._rec.record(trace, Stage.PREFILL_LEG, sent, self._rec.now(), attrs)
+            self._rec.record(trace, Stage.PREFILL_LEG, sent.ns, self._rec.now(), attrs)
             if resp.status != 200:
                 raise UpstreamError(resp.status, _upstream_message(payload, "prefill"), "upstream_error")
         params = json.loads(payload).get("kv_transfer_params")
@@ -312,13 +324,13 @@ class Router:
         return params
 
     async def _decode(self, path: str, body: dict, params: dict, headers: dict, progress: "DecodeProgress",
-                      sent: dict[str, int]):
-        """Yield D's SSE events (bytes) as they arrive, noting token progress; ``sent["ns"]`` notes
-        when the leg left."""
+                      sent: "LegSent"):
+        """Yield D's SSE events (bytes) as they arrive, noting token progress and when the leg left."""
         assert self._session is not None
         decode_body = leg_body({**body, "stream": True, "stream_options": {"include_usage": True}}, params)
-        sent["ns"] = self._rec.now()
-        async with self._session.post(self.config.decode + path, data=decode_body, headers=headers) as resp:
+        sent.ns = self._rec.now()
+        async with self._session.post(self.config.decode + path, data=decode_body, headers=headers,
+                                      trace_request_ctx=sent) as resp:
             if resp.status != 200:
                 raise UpstreamError(resp.status, _upstream_message(await resp.read(), "decode"),
                                     "upstream_error")
@@ -346,6 +358,7 @@ class Exchange:
     """One request's way through the router: what its legs and its root span share."""
 
     t_in: int
+    routed_ns: int  # P and D chosen; pd.route ends here should P's leg never leave
     chat: bool
     engine_id: str  # the id vLLM gives the request on both engines
     trace: TraceRef  # pd.request's own span: the legs' parent
@@ -355,7 +368,18 @@ class Exchange:
     status: int = 200
     first_token_ns: int = 0
     decoded: "DecodeProgress" = dataclasses.field(default_factory=lambda: DecodeProgress())
-    sent: dict[str, int] = dataclasses.field(default_factory=dict)  # when the decode leg left
+    p_sent: "LegSent" = dataclasses.field(default_factory=lambda: LegSent())
+    d_sent: "LegSent" = dataclasses.field(default_factory=lambda: LegSent())
+
+
+@dataclasses.dataclass(slots=True)
+class LegSent:
+    """When a leg left the router: as the router hands it to aiohttp, then (``written``) as aiohttp writes
+    its body to the socket. Building and sending the request is the router's own work (on a busy host,
+    milliseconds): timed to the socket, it counts as the router's routing, not as unattributed delivery."""
+
+    ns: int = 0
+    written: bool = False
 
 
 class DecodeProgress:

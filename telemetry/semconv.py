@@ -191,7 +191,7 @@ STAGES: Final[dict[Stage, StageSpec]] = {
         "client request in", "last byte out", SpanKind.SERVER),
     Stage.PD_ROUTE: StageSpec(
         SPAN_PD_ROUTE, Category.COORDINATION, (_R,),
-        "request parsed", "P and D chosen (push: before prefill starts)"),
+        "request parsed", "P's leg written to its socket (P and D chosen, the leg built and sent)"),
     Stage.P_INPUT: StageSpec(
         SPAN_ENGINE_INPUT, Category.COMPUTE, (_P,),
         "P's API server has the request (kvtrace's middleware, else vLLM's arrival_time)",
@@ -204,7 +204,7 @@ STAGES: Final[dict[Stage, StageSpec]] = {
         "scheduled for prefill", "prefill forward done, KV ready"),
     Stage.PREFILL_LEG: StageSpec(
         SPAN_PD_PREFILL_LEG, Category.COORDINATION, (_R,),
-        "the router sends P's leg", "P's answer (its kv_transfer_params) is back at the router"),
+        "P's leg written to its socket", "P's answer (its kv_transfer_params) is back at the router"),
     Stage.D_INPUT: StageSpec(
         SPAN_ENGINE_INPUT, Category.COMPUTE, (_D,),
         "D's API server has the request (kvtrace's middleware, else vLLM's arrival_time)",
@@ -219,7 +219,7 @@ STAGES: Final[dict[Stage, StageSpec]] = {
     Stage.REGISTRATION: StageSpec(
         SPAN_KV_REGISTRATION, Category.COORDINATION, (_D, _P, _R),
         "push: allocation done (D); pull: P's params reach the router",
-        "push: PUSH_REG sent (D) / received (P, an instant); pull: D's leg sent"),
+        "push: PUSH_REG sent (D) / received (P, an instant); pull: D's leg written to its socket"),
     Stage.RENDEZVOUS: StageSpec(
         SPAN_KV_RENDEZVOUS, Category.COORDINATION, (_P,),
         "first of {registration, KV ready} at P's writer", "both present"),
@@ -247,7 +247,7 @@ STAGES: Final[dict[Stage, StageSpec]] = {
         "scheduled for decode", "first token emitted"),
     Stage.DECODE_LEG: StageSpec(
         SPAN_PD_DECODE_LEG, Category.COORDINATION, (_R,),
-        "the router sends D's leg", "the first chunk (first token) is back at the router"),
+        "D's leg written to its socket", "the first chunk (first token) is back at the router"),
 }
 
 CONTRACT_VERSION: Final = 3

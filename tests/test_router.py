@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvtrace import router as router_module
 from kvtrace.router import Router, RouterConfig
 from kvtrace.telemetry import Mode, Role, TelemetryConfig, build_resource
 from kvtrace.telemetry.context import parse_traceparent, sdk_sampler
@@ -25,8 +27,10 @@ class Engine:
         self.fail_mid_stream = fail_mid_stream
         self.bodies: list[dict] = []
         self.headers: list = []
+        self.arrived: list[int] = []  # wall ns, as the handler starts (the body is in)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.arrived.append(time.time_ns())
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(request.headers.copy())  # case-insensitive
@@ -107,6 +111,33 @@ def test_push_sends_both_legs_with_ps_static_coordinates():
     assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "p-1"
     assert params["remote_port"] == 5600 and params["remote_request_id"] == "cmpl-r9-0"
     assert decode.bodies[0]["stream"] is True
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_the_router_times_its_own_sending_up_to_the_socket(mode, monkeypatch):
+    """Building and sending a leg is the router's work: ``pd.route`` runs until P's leg is written to its
+    socket and each leg starts there (pull: the router's registration until D's leg is written), so a
+    slow build counts as routing rather than as unattributed delivery to the engine."""
+    build_s = 0.05
+    build = router_module.leg_body
+
+    def slow_leg_body(body: dict, params: dict) -> bytes:
+        time.sleep(build_s)  # blocks the router's loop, as encoding a long prompt on a busy host does
+        return build(body, params)
+
+    monkeypatch.setattr(router_module, "leg_body", slow_leg_body)
+    prefill, decode = Engine("prefill"), Engine("decode")
+    status, _, spans = asyncio.run(run_router(mode, prefill, decode, {"model": "tiny", "prompt": "hi"}))
+    assert status == 200
+    by_name = {s.name: s for s in spans}
+    route, p_leg, d_leg = by_name["pd.route"], by_name["pd.prefill_leg"], by_name["pd.decode_leg"]
+    assert route.end_time - route.start_time >= build_s * 1e9
+    assert route.end_time == p_leg.start_time <= prefill.arrived[0] + 500_000  # (each clock read once: µs apart)
+    assert d_leg.start_time <= decode.arrived[0] + 500_000
+    if mode == "pull":
+        registration = by_name["kv.registration"]
+        assert registration.end_time - registration.start_time >= build_s * 1e9
+        assert registration.end_time == d_leg.start_time
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
