@@ -32,6 +32,7 @@ from aiohttp import web
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvtrace.http_sent import SentAt, stamping
 from kvtrace.telemetry import FailureCause, Mode, Role, Stage, TelemetryConfig, TraceRef, configure, semconv
 from kvtrace.telemetry.context import new_span_id, new_trace_id, sdk_sampler
 from kvtrace.telemetry.semconv import PARAM_RECEIVED, PARAM_TRACEPARENT, RECEIVED_PLACEHOLDER
@@ -151,15 +152,8 @@ class Router:
 
     async def _start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=10)
-        legs_written = aiohttp.TraceConfig()
-        legs_written.on_request_chunk_sent.append(self._leg_written)
-        self._session = aiohttp.ClientSession(timeout=timeout, trace_configs=[legs_written])
-
-    async def _leg_written(self, session: Any, context: Any, params: Any) -> None:
-        """aiohttp wrote (the first chunk of) a leg's body to its socket: the leg has left."""
-        sent = context.trace_request_ctx
-        if isinstance(sent, LegSent) and not sent.written:
-            sent.ns, sent.written = self._rec.now(), True
+        # a leg leaves as aiohttp writes it: building and sending it is the router's routing
+        self._session = aiohttp.ClientSession(timeout=timeout, trace_configs=[stamping(self._rec.now)])
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
@@ -307,7 +301,7 @@ class Router:
                 PARAM_TRACEPARENT: trace.traceparent}
 
     async def _prefill(self, path: str, body: bytes, headers: dict, trace: TraceRef, attrs: dict,
-                       sent: "LegSent") -> dict:
+                       sent: SentAt) -> dict:
         """P's leg: its answer's kv_transfer_params; ``pd.prefill_leg`` spans it (sent -> answered)."""
         assert self._session is not None
         sent.ns = self._rec.now()
@@ -324,7 +318,7 @@ class Router:
         return params
 
     async def _decode(self, path: str, body: dict, params: dict, headers: dict, progress: "DecodeProgress",
-                      sent: "LegSent"):
+                      sent: SentAt):
         """Yield D's SSE events (bytes) as they arrive, noting token progress and when the leg left."""
         assert self._session is not None
         decode_body = leg_body({**body, "stream": True, "stream_options": {"include_usage": True}}, params)
@@ -368,18 +362,8 @@ class Exchange:
     status: int = 200
     first_token_ns: int = 0
     decoded: "DecodeProgress" = dataclasses.field(default_factory=lambda: DecodeProgress())
-    p_sent: "LegSent" = dataclasses.field(default_factory=lambda: LegSent())
-    d_sent: "LegSent" = dataclasses.field(default_factory=lambda: LegSent())
-
-
-@dataclasses.dataclass(slots=True)
-class LegSent:
-    """When a leg left the router: as the router hands it to aiohttp, then (``written``) as aiohttp writes
-    its body to the socket. Building and sending the request is the router's own work (on a busy host,
-    milliseconds): timed to the socket, it counts as the router's routing, not as unattributed delivery."""
-
-    ns: int = 0
-    written: bool = False
+    p_sent: SentAt = dataclasses.field(default_factory=SentAt)  # when P's leg left (.http_sent)
+    d_sent: SentAt = dataclasses.field(default_factory=SentAt)  # when D's leg left
 
 
 class DecodeProgress:

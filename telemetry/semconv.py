@@ -469,7 +469,7 @@ SPAN_RUN: Final = "kvtrace.run"
 with ``kvtrace.run.config``; sent when the run ends (again, if the run is recorded twice)."""
 
 CLIENT_TTFT_NS: Final = "kvtrace.client.ttft_ns"
-"""Time to first token at the client, in ns from sending the request to reading the first token."""
+"""Time to first token at the client, in ns from the request written to its socket to reading the first token."""
 
 CLIENT_TPOT_NS: Final = "kvtrace.client.tpot_ns"
 """Time per output token after the first at the client, in ns (absent with fewer than 2 tokens)."""

@@ -97,3 +97,45 @@ def test_requests_draw_their_lengths_from_the_distribution():
     result = asyncio.run(loadgen.run_point(Recording(), point, 60, seed=1, stop=asyncio.Event(), max_seconds=30))
     assert len(result.outcomes) == 60 and set(seen) == {100, 400, 900}
     assert point.label == "~400 tokens @ 200/s"
+
+
+def test_ttft_starts_as_the_request_is_written_not_while_the_client_builds_it(monkeypatch):
+    """The client's own building of a request (here a 50 ms encode) is its time, not the server's TTFT;
+    the whole exchange, as its span sees it, still includes it."""
+    import asyncio
+    import json
+    import time
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from kvtrace.experiment import loadgen
+
+    encode = json.dumps  # the server's, before the client's is slowed
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in ("a", "b"):
+            await response.write(b"data: " + encode({"choices": [{"text": text}]}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def slow_dumps(value, **kwargs):
+        time.sleep(0.05)
+        return encode(value, **kwargs)
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream)
+        async with TestServer(app, host="127.0.0.1") as server, loadgen.client_session() as session:
+            client = loadgen.Client(str(server.make_url("")), "tiny", 2)
+            monkeypatch.setattr(loadgen.json, "dumps", slow_dumps)  # (the json module: the client's only user)
+            started = time.perf_counter_ns()
+            outcome = await client.send(session, [1, 2, 3], None)
+            return outcome, time.perf_counter_ns() - started
+
+    outcome, elapsed = asyncio.run(run())
+    assert outcome.ok and outcome.output_tokens == 2
+    assert elapsed >= 50e6 > outcome.ttft_ns > 0

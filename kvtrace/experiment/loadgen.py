@@ -27,6 +27,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvtrace.collectors.read.quantiles import quantile
+from kvtrace.http_sent import SentAt, stamping
 from kvtrace.telemetry import semconv
 
 TOKEN_ID_RANGE = (100, 4000)
@@ -136,6 +137,13 @@ def _error_message(body: str) -> str:
         return body[:160]
 
 
+def client_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """A session whose requests' TTFT starts as aiohttp writes them (:mod:`kvtrace.http_sent`): the load
+    generator's own building of a request, milliseconds when the engines hold the host's cores, is not the
+    server's time to first token."""
+    return aiohttp.ClientSession(trace_configs=[stamping(time.perf_counter_ns)], **kwargs)
+
+
 class Client:
     """Sends one streaming completion and measures it; records the client span if a tracer is given."""
 
@@ -160,10 +168,12 @@ class Client:
                                           kind=otel_trace.SpanKind.CLIENT)
             self._propagator.inject(headers, otel_trace.set_span_in_context(span))
         outcome = Outcome(sent_ns)
-        started = time.perf_counter_ns()
+        called = time.perf_counter_ns()
+        sent = SentAt(called)  # TTFT starts as the request is written (a session from client_session())
         last = 0
         try:
-            async with session.post(self.url, data=json.dumps(body), headers=headers, timeout=self.timeout) as resp:
+            async with session.post(self.url, data=json.dumps(body), headers=headers, timeout=self.timeout,
+                                    trace_request_ctx=sent) as resp:
                 outcome.status = resp.status
                 if resp.status != 200:
                     detail = (await resp.read()).decode(errors="replace")
@@ -183,7 +193,7 @@ class Client:
                         if not chunk.get("choices"):
                             continue
                         if not last:
-                            outcome.ttft_ns = now - started
+                            outcome.ttft_ns = now - sent.ns
                         else:
                             outcome.itl_ns.append(now - last)
                         last = now
@@ -195,7 +205,7 @@ class Client:
         finally:
             if span is not None:
                 outcome.trace_id = f"{span.get_span_context().trace_id:032x}"
-                self._end_span(span, outcome, point, sent_ns + (time.perf_counter_ns() - started))
+                self._end_span(span, outcome, point, sent_ns + (time.perf_counter_ns() - called))
         return outcome
 
     @staticmethod
@@ -239,7 +249,7 @@ async def run_point(client: Client, point: Point, requests: int, seed: int, stop
         outcomes.append(outcome)
         on_done(outcome)
 
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with client_session(connector=connector) as session:
         tasks: list[asyncio.Task] = []
         if point.rate is not None:
             offsets = arrival_offsets(requests, point.rate, rng)

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -37,7 +36,7 @@ from kvtrace.telemetry import semconv
 from kvtrace.telemetry.setup import hardware_summary
 from kvtrace.telemetry.versions import installed_version
 
-from .loadgen import Client, Point, PointResult, prompt_ids, run_point
+from .loadgen import Client, Point, PointResult, client_session, prompt_ids, run_point
 
 logger = logging.getLogger(__name__)
 CONNECTORS = {"push": "NixlPushConnector", "pull": "NixlPullConnector"}
@@ -132,7 +131,7 @@ def _distribution(sweep: SweepConfig) -> dict[str, Any] | None:
 async def _warm_up(client: Client, count: int, length: int, seed: int) -> None:
     """``count`` requests sent one after another, without a point (so without a client span)."""
     rng = random.Random(f"warmup:{seed}")
-    async with aiohttp.ClientSession() as session:
+    async with client_session() as session:
         for _ in range(count):
             await client.send(session, prompt_ids(length, rng), None)
 
