@@ -49,16 +49,16 @@ class KafkaStats:
 class KafkaReceiver:
     """One consumer-group member feeding ``consume`` (the collector's intake) from ``topic``.
 
-    ``decided_version``/``durable_version``: the store's data version when a trace was decided, and now;
-    a trace decided at version ``v`` is durable once the store is at ``v + 2`` (the flush under way at
-    its decision may have taken its buffers before the decision landed in them)."""
+    ``store_flushes``: how many flushes the store's writer has completed (:attr:`.store.BufferedStore.flushes`);
+    a trace decided at ``n`` is durable once it reads ``n + 2`` (the flush under way at its decision may
+    have taken its buffers before the decision landed in them)."""
 
     def __init__(self, consume: Callable[[SpanBatch], None], *, brokers: str, topic: str, group: str,
-                 store_version: Callable[[], int], flush_store: Callable[[], None],
+                 store_flushes: Callable[[], int], flush_store: Callable[[], None],
                  forget: Callable[[set[bytes]], None], drain: Callable[[float], bool],
                  options: dict[str, Any] | None = None) -> None:
         self._consume, self.topic, self.group = consume, topic, group
-        self._store_version, self._flush_store, self._forget, self._drain = store_version, flush_store, forget, drain
+        self._store_flushes, self._flush_store, self._forget, self._drain = store_flushes, flush_store, forget, drain
         self._config = {"bootstrap.servers": brokers, "group.id": group, "enable.auto.commit": False,
                         "auto.offset.reset": "earliest", "session.timeout.ms": 6000,
                         "heartbeat.interval.ms": 1000, **(options or {})}
@@ -97,7 +97,7 @@ class KafkaReceiver:
         with self._lock:
             found = self._first_offset.pop(trace_id, None)
             if found is not None:
-                self._awaiting.append((self._store_version(), trace_id, *found))
+                self._awaiting.append((self._store_flushes(), trace_id, *found))
 
     def health(self) -> dict[str, float]:
         """The consumer's state for the collector's health rows (:data:`.schema.KAFKA_HEALTH_COLUMNS`)."""
@@ -185,7 +185,7 @@ class KafkaReceiver:
     def _safe_offsets(self) -> dict[int, int]:
         """Per partition read here, the offset to commit: the first message of its oldest trace not yet
         durable, or past the last message read."""
-        durable = self._store_version()
+        durable = self._store_flushes()
         with self._lock:
             while self._awaiting and durable >= self._awaiting[0][0] + 2:
                 self._awaiting.popleft()

@@ -283,7 +283,7 @@ class Collector:
                                                        clock=self.clocks.exchange))
         if c.kafka_brokers:
             self.kafka = KafkaReceiver(self.consume, brokers=c.kafka_brokers, topic=c.kafka_topic, group=c.kafka_group,
-                                       options=c.kafka_options, store_version=lambda: self.store.data_version,
+                                       options=c.kafka_options, store_flushes=lambda: self.store.flushes,
                                        flush_store=self.store.flush, forget=self.assembler.forget,
                                        drain=self.intake.drain)
             self.decider.on_decided = self.kafka.decided

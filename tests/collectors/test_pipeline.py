@@ -285,3 +285,31 @@ def test_a_store_that_fails_for_a_while_drops_nothing(tmp_path, monkeypatch):
         assert store.dropped_decisions == 0 and len(calls) > 2 * ISOLATE_AFTER + 1
     finally:
         store.shutdown()
+
+
+def test_a_store_with_nothing_new_commits_nothing(tmp_path):
+    """Once everything buffered is committed, the writer's next flushes write nothing: a commit with nothing
+    new cost ~6 ms of CPU every 0.5 s on an idle collector, and its new data version emptied every reader's
+    cache (they key their answers on it). The log position goes with the commit that records it, and comes
+    back with a failed one."""
+    from kvtrace.collectors.store import Store
+
+    store = Store(str(tmp_path / "idle.duckdb"))
+    try:
+        request = build("push").requests[0]
+        store.add_spans(SpanBatch.of(request), (0, 100))
+        store.flush()
+        committed = store.data_version
+        assert store.committed_position == (0, 100)
+        store.flush()
+        store.flush()
+        assert store.data_version == committed
+        store.add_spans(SpanBatch.of(request), (0, 200))
+        with pytest.raises(OSError):  # a flush that fails puts the position back with its rows...
+            with store.putting_back(store.take()):
+                raise OSError("disk full")
+        store.flush()  # ... and the next one commits it
+        assert store.committed_position == (0, 200) and store.wal_position() == (0, 200)
+        assert store.data_version == committed + 1
+    finally:
+        store.shutdown()
