@@ -19,6 +19,10 @@ the sender's core, exporting to its blackhole): once the spans as received only 
 with one ``kvtrace.breakdown`` span per trace too ("forwarding"; ``--forward-critical-path``
 adds the segments), so each cost shows beside the same collector without it.
 
+Last, the collector's steady-state CPU split by thread, read from /proc by the names it gives its
+threads in the OS (``collectors/threads.py``): the gRPC workers (receive, decode, log), the pipeline
+(assembly, attribution, breakdown spans), the store's writer (DuckDB), each forwarder.
+
 Target (issues 4 and 13): >= 100k spans/s per core for kvtrace, with forwarding on too.
 """
 
@@ -138,6 +142,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (``/proc/PID/task/*/comm``), a pool's numbered workers summed
+    (``kv-otlp-grpc_0``, ``_1``, ... as ``kv-otlp-grpc``): kvtrace's collector names its threads in
+    the OS (``collectors/threads.py``); what it does not name shows as the executable's name."""
+    seconds: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name = name.rstrip("0123456789").rstrip("_") or name
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
 def _wait_until_quiet(pid: int, window_s: float = 0.5, limit_s: float = 60.0) -> float:
     """Wait until two windows in a row add under 10 ms of CPU (the collector has done all
     the work it was sent: decisions, store flushes); returns the CPU seconds then."""
@@ -152,8 +174,9 @@ def _wait_until_quiet(pid: int, window_s: float = 0.5, limit_s: float = 60.0) ->
 
 
 def run_process(command: list[str], port: int, load: list[bytes], warm_up: list[bytes],
-                core: int) -> tuple[float, float, float]:
-    """(CPU seconds of the whole process, CPU seconds of the load alone, wall seconds of the send).
+                core: int) -> tuple[float, float, float, dict[str, float]]:
+    """(CPU seconds of the whole process, CPU seconds of the load alone, wall seconds of the send, the
+    load's CPU seconds per thread name).
 
     The load alone: from quiet after a warm-up load (a few requests of other traces: first
     calls, lazy imports) to quiet after the load (every span stored, every trace decided)."""
@@ -162,14 +185,16 @@ def run_process(command: list[str], port: int, load: list[bytes], warm_up: list[
     try:
         send(port, warm_up)
         before = _wait_until_quiet(process.pid)
+        threads_before = _thread_cpu(process.pid)
         started = time.perf_counter()
         send(port, load)
         wall = time.perf_counter() - started
         after = _wait_until_quiet(process.pid)
+        threads = {name: seconds - threads_before.get(name, 0.0) for name, seconds in _thread_cpu(process.pid).items()}
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # a clean stop: kvtrace flushes its store
     _, status, usage = os.wait4(process.pid, 0)
-    return usage.ru_utime + usage.ru_stime, after - before, wall
+    return usage.ru_utime + usage.ru_stime, after - before, wall, threads
 
 
 def rotel_command(port: int, work: str, name: str) -> list[str]:
@@ -186,7 +211,7 @@ def run_kvtrace(work: str, name: str, load: list[bytes], warm_up: list[bytes], c
     db = os.path.join(work, f"{name}.duckdb")
     command = [sys.executable, "-m", "kvtrace", "collector", "--http-port", "-1", "--decision-wait", "0.5",
                "--db", db, "--grpc-port", str(port), *forward]
-    cpu, load_cpu, wall = run_process(command, port, load, warm_up, core)
+    cpu, load_cpu, wall, threads = run_process(command, port, load, warm_up, core)
     con = duckdb.connect(db, read_only=True)
     stored = con.execute("SELECT count(*) FROM spans").fetchone()[0]
     attributed = con.execute("SELECT count(*) FROM requests").fetchone()[0]
@@ -194,7 +219,7 @@ def run_kvtrace(work: str, name: str, load: list[bytes], warm_up: list[bytes], c
                             "FROM collector_health").fetchone()
     con.close()
     return {"cpu": cpu, "load_cpu": load_cpu, "wall": wall, "stored": stored, "attributed": attributed,
-            "forwarded": forwarded[0], "forward_dropped": forwarded[1]}
+            "forwarded": forwarded[0], "forward_dropped": forwarded[1], "threads": threads}
 
 
 def main() -> int:
@@ -250,7 +275,7 @@ def main() -> int:
                     os.killpg(upstream.pid, signal.SIGTERM)
                     upstream.wait(30)
             port = free_port()
-            cpu, load_cpu, wall = run_process(rotel_command(port, work, "rotel"), port, load, warm_up, collector_core)
+            cpu, load_cpu, wall, _ = run_process(rotel_command(port, work, "rotel"), port, load, warm_up, collector_core)
             row["rotel"] = {"cpu": cpu, "load_cpu": load_cpu, "wall": wall}
             for result in row.values():
                 result["steady"] = spans / max(result["load_cpu"], 1e-9)
@@ -276,7 +301,17 @@ def main() -> int:
     median = {name: {key: statistics.median(row[name][key] for row in rounds) for key in ("steady", "whole")}
               for name in configs}
     print(line("median", median))
-    kvtrace_runs = [row[name] for row in rounds for name in configs if name != "rotel"]
+    kvtrace_configs = [name for name in configs if name != "rotel"]
+    names = sorted({t for row in rounds for name in kvtrace_configs for t in row[name]["threads"]},
+                   key=lambda t: -statistics.median(row["kvtrace"]["threads"].get(t, 0.0) for row in rounds))
+    print("the load's CPU by thread, µs per span (steady state, median of the rounds; kv-*: kvtrace's own threads, "
+          "python: the process's others, event_engine and grpc_*: gRPC's core)")
+    print(f"  {'thread':<18}" + "".join(f"{name:>12}" for name in kvtrace_configs))
+    for t in names:
+        print(f"  {t:<18}" + "".join(
+            f"{statistics.median(row[name]['threads'].get(t, 0.0) for row in rounds) / spans * 1e6:>12.2f}"
+            for name in kvtrace_configs))
+    kvtrace_runs = [row[name] for row in rounds for name in kvtrace_configs]
     complete = all(r["stored"] == all_spans and r["attributed"] == all_traces for r in kvtrace_runs)
     print(f"every span stored and every trace attributed in every kvtrace run: {'yes' if complete else 'NO'}")
     verdict = median["kvtrace"]["steady"] >= 100_000 and complete

@@ -38,6 +38,7 @@ from .breakdown import (
     P_QUEUE, P_REGISTRATION, PREFILL_LEG, R_REGISTRATION, READ, ROUTE, ROUTER, WRITE,
 )
 from .model import whole_number
+from .threads import name_os_thread
 
 WINDOW = 64
 MAX_SENDERS = 10_000
@@ -261,6 +262,7 @@ class SharedSamples:
         self.read_samples += self._book.add_shared(samples)
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.wait(self._interval_s):
             self.poll()
 

@@ -29,6 +29,7 @@ import requests as http
 from .breakdown import Breakdown
 from .breakdown_span import BreakdownSpans
 from .model import SpanRow, rebuild_request
+from .threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class Upstream:
         return len(self._queue) + self._in_flight
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._stop:

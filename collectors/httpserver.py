@@ -16,6 +16,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from .threads import name_os_thread
+
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
@@ -54,8 +56,12 @@ class HttpServer:
         return f"{self.scheme}://{'127.0.0.1' if host in ('', '0.0.0.0') else host}:{self.port}"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._server.serve_forever, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        name_os_thread()
+        self._server.serve_forever()
 
     def shutdown(self) -> None:
         if self._thread is not None:

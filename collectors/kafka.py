@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .model import PermanentError, SpanBatch
 from .receivers import RetryLater
+from .threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class KafkaReceiver:
     # ------------------------------------------------------------------ the consumer thread
 
     def _run(self) -> None:
+        name_os_thread()
         consumer = self._consumer
         next_commit = time.monotonic() + COMMIT_INTERVAL_S
         try:

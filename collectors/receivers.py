@@ -30,6 +30,7 @@ from kvtrace.telemetry.clock import HTTP_PATH as CLOCK_PATH
 from .config import DEFAULT_MAX_BODY_BYTES
 from .httpserver import JSON, HttpServer, authorized, reply, reply_error
 from .model import PermanentError, SpanBatch
+from .threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,8 @@ class OtlpGrpcReceiver:
                  max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, bearer_token: str | None = None,
                  workers: int = 4, tls: tuple[str, str] | None = None, clock: ClockExchange | None = None) -> None:
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-otlp-grpc"),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-otlp-grpc",
+                                       initializer=name_os_thread),
             options=[("grpc.max_receive_message_length", max_message_bytes)],
         )
         self._server.add_generic_rpc_handlers(_TraceService(consume, bearer_token, clock).handlers())

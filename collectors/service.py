@@ -40,6 +40,7 @@ from .receivers import OtlpGrpcReceiver, OtlpHttpReceiver, RetryLater
 from .clickhouse import ClickHouseStore
 from .kafka import KafkaReceiver
 from .store import Store
+from .threads import name_os_thread
 from .wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
@@ -325,6 +326,7 @@ class Collector:
     # ------------------------------------------------------------------ pipeline thread
 
     def _run(self) -> None:
+        name_os_thread()
         while not (self._stop.is_set() and self.intake.queued() == 0):
             logged = self.intake.next(timeout_s=0.1)
             if logged is not None:

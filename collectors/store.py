@@ -33,6 +33,7 @@ from kvtrace.telemetry import semconv
 from . import schema
 from .breakdown import Breakdown, category_of
 from .model import INT32_MAX, Origin, SpanBatch, SpanColumns, finite_number, whole_number
+from .threads import name_os_thread
 from .wire import native
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class BufferedStore:
         self._thread.start()
 
     def _run(self) -> None:
+        name_os_thread()
         failures = 0  # flushes failed in a row
         while not self._stop.is_set():
             self._wake.wait(self._flush_interval)
