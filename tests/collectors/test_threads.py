@@ -14,7 +14,7 @@ from kvtrace.collectors.threads import os_name
 from tests.collectors.test_receivers import grpc_target, post, valid_payload
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="thread names in the OS: Linux's prctl")
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="thread names in the OS: Linux's prctl")
 
 
 def os_thread_names() -> set[str]:
@@ -35,6 +35,7 @@ def test_names_fit_what_linux_keeps():
     assert os_name("other") == "other"
 
 
+@linux_only
 def test_a_running_collectors_threads_are_named_in_the_os(make_collector):
     collector = make_collector()
     trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(grpc_target(collector))).Export(
@@ -44,6 +45,7 @@ def test_a_running_collectors_threads_are_named_in_the_os(make_collector):
     assert wait_until(lambda: expected <= os_thread_names()), sorted(os_thread_names())
 
 
+@linux_only
 def test_a_forwarders_thread_is_named_after_its_upstream():
     upstream = Upstream("grpc://127.0.0.1:9")  # nothing queued: nothing is sent
     upstream.start()
