@@ -96,7 +96,7 @@ class BufferedStore:
         self.committed_position: tuple[int, int] | None = None  # the log position of the last commit
         self.committed_at = 0.0  # wall time of this process's last commit
         self.dropped_decisions = 0  # breakdowns the store could not take, dropped by _isolate
-        self._flushing = threading.Lock()  # one flush at a time (the writer's, a test's, a Kafka rebalance's)
+        self._flushing = threading.Lock()  # one flush at a time (the writer's, its isolation's, a test's, a Kafka rebalance's)
         self.flushes = 0
         """Flushes completed, those that found nothing to write included: whatever is buffered when this
         reads n is committed once it reads n + 2 (a flush under way at n may have taken the buffers just
@@ -153,7 +153,8 @@ class BufferedStore:
                 logger.exception("kvtrace store: a flush into %s failed; retrying", self.path)
                 if failures >= ISOLATE_AFTER:
                     failures = 0
-                    self._isolate()
+                    with self._flushing:  # its commits are flushes too: none may interleave with them
+                        self._isolate()
                 else:
                     time.sleep(1.0)
             self._between_flushes()
