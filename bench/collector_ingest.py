@@ -135,11 +135,16 @@ def send(port: int, load: list[bytes], streams: int = 4) -> None:
     channel.close()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process, all its threads (from /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _stat_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU from a /proc ``stat`` file (a process's: all its threads; a task's: one)."""
+    with open(stat_path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (from /proc)."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
@@ -151,12 +156,11 @@ def _thread_cpu(pid: int) -> dict[str, float]:
         try:
             with open(f"/proc/{pid}/task/{task}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = _stat_cpu_seconds(f"/proc/{pid}/task/{task}/stat")
         except FileNotFoundError:  # the thread ended meanwhile
             continue
         name = name.rstrip("0123456789").rstrip("_") or name
-        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        seconds[name] = seconds.get(name, 0.0) + cpu
     return seconds
 
 

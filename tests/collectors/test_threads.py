@@ -7,11 +7,11 @@ import sys
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvtrace.collectors.forwarder import Upstream
 from kvtrace.collectors.threads import os_name
 from tests.collectors.test_receivers import grpc_target, post, valid_payload
+from tests.collectors.traces import build
 from tests.helpers import wait_until
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="thread names in the OS: Linux's prctl")
@@ -38,8 +38,8 @@ def test_names_fit_what_linux_keeps():
 @linux_only
 def test_a_running_collectors_threads_are_named_in_the_os(make_collector):
     collector = make_collector()
-    trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(grpc_target(collector))).Export(
-        ExportTraceServiceRequest.FromString(valid_payload()), timeout=5)  # starts a gRPC worker
+    stub = trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(grpc_target(collector)))
+    stub.Export(build("push").requests[0], timeout=5)  # starts a gRPC worker
     assert post(collector, valid_payload()).status_code == 200
     expected = {"kv-pipeline", "kv-store", "kv-otlp-grpc_0", "kv-otlp-http"}
     assert wait_until(lambda: expected <= os_thread_names()), sorted(os_thread_names())
