@@ -359,8 +359,9 @@ class ClockAligner:
     ``θ_instance - θ_router`` (instance -> collector -> router) within the sum of both bounds;
     otherwise it is inferred from causally ordered pairs of the trace's spans, intersected over
     recent traces (:class:`OffsetEstimator`, kept per (router, instance): two routers' clocks
-    are two references). The causal pairs check the measured offset too: a trace whose span
-    order it contradicts by more than the bound is flagged ``clock_suspect``.
+    are two references). The causal pairs check the measured offsets too, each span on its own
+    process's offset: a trace whose span order they contradict by more than the two processes'
+    bounds is flagged ``clock_suspect`` (:func:`_contradicted`).
 
     Causal pairs: P's API server got the request after the router routed it; P's prefill ended
     before the router had P's answer; D got its leg after the router sent it (push: after the
@@ -379,7 +380,7 @@ class ClockAligner:
         takes that of a process on its host, else its side's. ``outer``: the user's gateway span,
         where no kvtrace router served the trace — P is then the reference, and the gateway (whose
         clock nobody measures) is placed by the order of its span around P's and D's."""
-        offsets, bounds, suspect = self._align_sides(index, root, mode, p_any, d_any)
+        offsets, bounds = self._align_sides(index, root, mode, p_any, d_any)
         if outer is not None and offsets:
             offsets[outer.origin.instance] = self._place_outer(index, outer, offsets, p_any, d_any)
         if len(instances) > len(offsets):
@@ -396,50 +397,38 @@ class ClockAligner:
                     offsets[instance], bounds[instance] = measured
                 else:
                     offsets[instance] = by_host.get(span.origin.host, side_offset.get(span.origin.side, 0))
-        return offsets, bounds, suspect
+        return offsets, bounds, len(bounds) > 1 and _contradicted(_causal_pairs(index, root, mode), offsets, bounds)
 
     def _align_sides(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any
-                     ) -> tuple[dict[str, int], dict[str, int], bool]:
+                     ) -> tuple[dict[str, int], dict[str, int]]:
         """The router (reference), P's first process and D's first process."""
         if root is not None:
             reference, at = root.origin.instance, root.start
         elif p_any is not None:
             reference, at = p_any.origin.instance, p_any.start
         else:
-            return {}, {}, False
+            return {}, {}
         offsets, bounds = {reference: 0}, {}
         measure = self.book is not None and self.book.measured(reference)
         if measure:
             bounds[reference] = 0
-        suspect = False
 
-        def place(span: Any, lower: float | None, upper: float | None,
-                  checked: tuple[float | None, float | None] | None = None) -> int:
-            """The instance's offset, estimated from [lower, upper] where not measured; a measured one
-            outside ``checked`` (by default [lower, upper]) by more than its bound is suspect."""
-            nonlocal suspect
+        def place(span: Any, lower: float | None, upper: float | None) -> int:
+            """The instance's offset: measured where it is, else estimated from [lower, upper]."""
             instance = span.origin.instance
             estimate = self.estimator.update((reference, instance), lower, upper)
             measured = self.book.between(instance, span.start, reference, at) if measure else None
             if measured is None:
                 offsets[instance] = estimate
                 return estimate
-            offset, bound = measured
-            offsets[instance], bounds[instance] = offset, bound
-            low, high = checked or (lower, upper)
-            if (low is not None and offset < low - bound) or (high is not None and offset > high + bound):
-                suspect = True
-            return offset
+            offsets[instance], bounds[instance] = measured
+            return measured[0]
 
         get = index.get
         if root is None:  # P is the reference: only the P<->D pairs bound D
             if d_any is not None:
-                if mode == "push":
-                    estimated, checked = _tighten_with_prefill(index, 0, None, None)
-                    place(d_any, *estimated, checked=checked)
-                else:
-                    place(d_any, *_pull_pairs(index))
-            return offsets, bounds, suspect
+                place(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push" else _pull_pairs(index)))
+            return offsets, bounds
         route = get(ROUTE)
         route_end = route.end if route is not None else root.start
         ttft = whole_number(root.attrs.get(_TTFT))
@@ -454,16 +443,14 @@ class ClockAligner:
             upper = answered - prefill.end if prefill is not None else None
             p_offset = place(p_any, lower, upper)
         if d_any is not None:
-            sent = relay.end if mode == "pull" and relay is not None else route_end
             first = get(D_INPUT) or get(ALLOCATION)
+            sent = relay.end if mode == "pull" and relay is not None else route_end
             lower = sent - first.start if first is not None else None
             token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
             back = leg.end if leg is not None else first_token_at_router
             upper = back - token.end if token is not None else None
-            p_bound = bounds.get(p_any.origin.instance, 0) if p_any is not None else 0
-            estimated, checked = _tighten_with_prefill(index, p_offset, lower, upper, p_bound)
-            place(d_any, *estimated, checked=checked)
-        return offsets, bounds, suspect
+            place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
+        return offsets, bounds
 
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
         """The gateway's offset onto P's clock: its span started before P had the request and ended
@@ -504,22 +491,66 @@ def _min(a, b):
     return b if a is None else a if b is None else min(a, b)
 
 
-def _tighten_with_prefill(index, p_offset: int, lower, upper, p_bound: int = 0):
+def _tighten_with_prefill(index, p_offset: int, lower, upper):
     """Push: D's registration left before P received it; P posted the WRITE before D saw it land.
-    Returns ((lower, upper) tightened by those pairs, for the estimate; (lower, upper) to check a measured
-    offset against: the pairs only as far as they are strictly causal). D's registration span ends once
+    (lower, upper) tightened by those pairs, through P's offset. D's registration span ends once
     PUSH_REG's send has returned, and P can have it before then (0.6 ms before, in a real pair on
-    loopback): checked from the span's start. A pair through P's offset is off by up to P's bound."""
+    loopback): as an estimate's bound that is close enough, and tighter than its start; the check on
+    measured offsets (:func:`_causal_pairs`) takes its start."""
     get = index.get
-    check_lower, check_upper = lower, upper
     d_reg, p_reg = get(D_REGISTRATION), get(P_REGISTRATION)
     if d_reg is not None and p_reg is not None:
-        bound = p_reg.start + p_offset - d_reg.end
-        upper = _min(upper, bound)
-        check_upper = _min(check_upper, bound + (d_reg.end - d_reg.start) + p_bound)
+        upper = _min(upper, p_reg.start + p_offset - d_reg.end)
     write, d_done = get(WRITE), get(D_COMPLETION)
     if write is not None and d_done is not None:
-        bound = write.start + p_offset - d_done.start
-        lower = _max(lower, bound)
-        check_lower = _max(check_lower, bound - p_bound)
-    return (lower, upper), (check_lower, check_upper)
+        lower = _max(lower, write.start + p_offset - d_done.start)
+    return lower, upper
+
+
+def _causal_pairs(index, root: Any, mode: str) -> list[tuple[int, Any, int, Any]]:
+    """The moments of a trace that happened in this order whatever the clocks say, each with the span
+    that recorded it (its process's clock): (earlier, its span, later, its span). Strictly causal only
+    (a message sent before it was received), since a measured offset contradicting one is flagged."""
+    get = index.get
+    pairs = []
+
+    def add(earlier_span, earlier: str, later_span, later: str) -> None:
+        if earlier_span is not None and later_span is not None:
+            pairs.append((getattr(earlier_span, earlier), earlier_span, getattr(later_span, later), later_span))
+
+    p_first, d_first = get(P_INPUT) or get(P_QUEUE), get(D_INPUT) or get(ALLOCATION)
+    prefill, token = get(P_PREFILL), get(FIRST_TOKEN)
+    if root is not None:  # every router moment is on the router's clock: any of its spans stands for it
+        route, relay, p_leg, d_leg = get(ROUTE), get(R_REGISTRATION), get(PREFILL_LEG), get(DECODE_LEG)
+        route_end = route.end if route is not None else root.start
+        ttft = whole_number(root.attrs.get(_TTFT))
+        first_token_at_router = root.start + ttft if ttft else root.end
+        if p_first is not None:  # P had the request after the router routed it
+            pairs.append((route_end, root, p_first.start, p_first))
+        if prefill is not None:  # P's prefill ended before the router had P's answer
+            answered = p_leg.end if p_leg is not None else relay.start if relay is not None else first_token_at_router
+            pairs.append((prefill.end, prefill, answered, root))
+        if d_first is not None:  # D had its leg after the router sent it: the leg's start (without that span,
+            # the relay's end in pull, the route's in push, whose two legs leave together)
+            sent = d_leg.start if d_leg is not None else relay.end if mode == "pull" and relay is not None else route_end
+            pairs.append((sent, root, d_first.start, d_first))
+        if token is not None:  # D's first token before the router had it
+            pairs.append((token.end, token, d_leg.end if d_leg is not None else first_token_at_router, root))
+    if mode == "push":  # D's registration left before P received it; P posted the WRITE before D saw it land
+        add(get(D_REGISTRATION), "start", get(P_REGISTRATION), "start")
+        add(get(WRITE), "start", get(D_COMPLETION), "start")
+    else:  # D had its leg after P's answer; D posted its READ before P saw its notification
+        add(prefill, "end", d_first, "start")
+        add(get(READ), "start", get(P_COMPLETION), "start")
+    return pairs
+
+
+def _contradicted(pairs: list[tuple[int, Any, int, Any]], offsets: dict[str, int], bounds: dict[str, int]) -> bool:
+    """Whether measured offsets put a later moment before an earlier one by more than both bounds. Each
+    moment is moved by its own process's offset: a side's processes (engine core, TP workers) may each
+    run on a clock of their own. Pairs with an unmeasured process check nothing."""
+    for earlier, earlier_span, later, later_span in pairs:
+        a, b = earlier_span.origin.instance, later_span.origin.instance
+        if a in bounds and b in bounds and earlier + offsets[a] - (later + offsets[b]) > bounds[a] + bounds[b]:
+            return True
+    return False

@@ -3,6 +3,7 @@ span order, and used per trace against the trace's own router."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -176,6 +177,42 @@ def test_a_measurement_the_span_order_contradicts_is_flagged():
     built = build("push")  # ... but its spans are on true time
     breakdown = Attributor(book).attribute(built.trace_id, _rows(built))
     assert breakdown.clock_suspect
+
+
+def _on_a_worker(rows, side: str, stages: set[str], skew_ms: float):
+    """The rows with ``side``'s ``stages`` recorded by a worker process of their own (as vLLM's TP workers
+    record the transfer), on a clock ``skew_ms`` ahead of the engine core's; the worker's rows first, so
+    that the worker is the side's first process the attributor meets."""
+    def moved(r):
+        return r._replace(start=r.start + int(skew_ms * MS), end=r.end + int(skew_ms * MS),
+                          origin=dataclasses.replace(r.origin, instance=f"{r.origin.instance}-worker"))
+    mine = [moved(r) for r in rows if r.origin.side == side and r.stage in stages]
+    return mine + [r for r in rows if not (r.origin.side == side and r.stage in stages)]
+
+
+@pytest.mark.parametrize("mode, side, stages", [
+    ("push", "prefill", {"registration", "rendezvous", "descriptor_prep", "write"}),
+    ("pull", "decode", {"read_wait", "descriptor_prep", "read"})])
+def test_each_process_of_a_side_is_checked_on_its_own_measured_clock(mode, side, stages):
+    """A side's processes (engine core, TP workers) each have a clock of their own, measured apart: each span
+    is checked on its own process's offset. On the worker's offset, the engine core's spans would contradict
+    the span order by the 3 ms between the two clocks (in a real pair on loopback, under a test clock shift
+    of 50 ppm counted from each process's start, 0.1-0.3 ms: enough, now and then)."""
+    book = ClockBook()
+    _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0, f"{side}-0-worker": 3.0})
+    built = build(mode)
+    rows = _on_a_worker(_rows(built), side, stages, 3.0)
+    breakdown = Attributor(book).attribute(built.trace_id, rows)
+    assert breakdown.offsets_ns[f"{side}-0-worker"] == pytest.approx(-3 * MS, abs=breakdown.clock_bounds_ns[f"{side}-0-worker"])
+    assert not breakdown.clock_suspect
+    truth = Attributor().attribute(built.trace_id, _rows(build(mode)))
+    for category, ns in truth.parts.items():
+        assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (category, breakdown.parts, truth.parts)
+    # the worker measured 12 ms behind while its spans are on true time: its transfer would start after the
+    # other side saw it land (push: D's completion; pull: P's)
+    behind = ClockBook()
+    _measured(behind, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0, f"{side}-0-worker": -12.0})
+    assert Attributor(behind).attribute(built.trace_id, _on_a_worker(_rows(built), side, stages, 0.0)).clock_suspect
 
 
 def _with_p_receiving_the_registration_at(rows, at_ns: int):
