@@ -397,7 +397,7 @@ class ClockAligner:
                     offsets[instance], bounds[instance] = measured
                 else:
                     offsets[instance] = by_host.get(span.origin.host, side_offset.get(span.origin.side, 0))
-        return offsets, bounds, len(bounds) > 1 and _contradicted(_causal_pairs(index, root, mode), offsets, bounds)
+        return offsets, bounds, len(bounds) > 1 and _contradicted(index, root, mode, offsets, bounds)
 
     def _align_sides(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any
                      ) -> tuple[dict[str, int], dict[str, int]]:
@@ -496,7 +496,7 @@ def _tighten_with_prefill(index, p_offset: int, lower, upper):
     (lower, upper) tightened by those pairs, through P's offset. D's registration span ends once
     PUSH_REG's send has returned, and P can have it before then (0.6 ms before, in a real pair on
     loopback): as an estimate's bound that is close enough, and tighter than its start; the check on
-    measured offsets (:func:`_causal_pairs`) takes its start."""
+    measured offsets (:func:`_contradicted`) takes its start."""
     get = index.get
     d_reg, p_reg = get(D_REGISTRATION), get(P_REGISTRATION)
     if d_reg is not None and p_reg is not None:
@@ -507,50 +507,47 @@ def _tighten_with_prefill(index, p_offset: int, lower, upper):
     return lower, upper
 
 
-def _causal_pairs(index, root: Any, mode: str) -> list[tuple[int, Any, int, Any]]:
-    """The moments of a trace that happened in this order whatever the clocks say, each with the span
-    that recorded it (its process's clock): (earlier, its span, later, its span). Strictly causal only
-    (a message sent before it was received), since a measured offset contradicting one is flagged."""
+def _contradicted(index, root: Any, mode: str, offsets: dict[str, int], bounds: dict[str, int]) -> bool:
+    """Whether the measured offsets put a later moment of the trace before an earlier one by more than
+    both processes' bounds. Each moment is moved by its own process's offset: a side's processes (engine
+    core, TP workers) may each run on a clock of their own. Only pairs that are strictly causal (a message
+    sent before it was received), and only between measured processes (the others check nothing)."""
+
+    def reversed_(earlier: int, earlier_span: Any, later: int, later_span: Any) -> bool:
+        a, b = earlier_span.origin.instance, later_span.origin.instance
+        bound_a, bound_b = bounds.get(a), bounds.get(b)
+        return bound_a is not None and bound_b is not None and \
+            earlier + offsets[a] - later - offsets[b] > bound_a + bound_b
+
     get = index.get
-    pairs = []
-
-    def add(earlier_span, earlier: str, later_span, later: str) -> None:
-        if earlier_span is not None and later_span is not None:
-            pairs.append((getattr(earlier_span, earlier), earlier_span, getattr(later_span, later), later_span))
-
     p_first, d_first = get(P_INPUT) or get(P_QUEUE), get(D_INPUT) or get(ALLOCATION)
     prefill, token = get(P_PREFILL), get(FIRST_TOKEN)
-    if root is not None:  # every router moment is on the router's clock: any of its spans stands for it
+    if root is not None:  # every router moment is on the router's clock: its root span stands for them all
         route, relay, p_leg, d_leg = get(ROUTE), get(R_REGISTRATION), get(PREFILL_LEG), get(DECODE_LEG)
         route_end = route.end if route is not None else root.start
         ttft = whole_number(root.attrs.get(_TTFT))
         first_token_at_router = root.start + ttft if ttft else root.end
-        if p_first is not None:  # P had the request after the router routed it
-            pairs.append((route_end, root, p_first.start, p_first))
+        # P had the request after the router routed it
+        if p_first is not None and reversed_(route_end, root, p_first.start, p_first):
+            return True
         if prefill is not None:  # P's prefill ended before the router had P's answer
             answered = p_leg.end if p_leg is not None else relay.start if relay is not None else first_token_at_router
-            pairs.append((prefill.end, prefill, answered, root))
+            if reversed_(prefill.end, prefill, answered, root):
+                return True
         if d_first is not None:  # D had its leg after the router sent it: the leg's start (without that span,
             # the relay's end in pull, the route's in push, whose two legs leave together)
             sent = d_leg.start if d_leg is not None else relay.end if mode == "pull" and relay is not None else route_end
-            pairs.append((sent, root, d_first.start, d_first))
-        if token is not None:  # D's first token before the router had it
-            pairs.append((token.end, token, d_leg.end if d_leg is not None else first_token_at_router, root))
-    if mode == "push":  # D's registration left before P received it; P posted the WRITE before D saw it land
-        add(get(D_REGISTRATION), "start", get(P_REGISTRATION), "start")
-        add(get(WRITE), "start", get(D_COMPLETION), "start")
-    else:  # D had its leg after P's answer; D posted its READ before P saw its notification
-        add(prefill, "end", d_first, "start")
-        add(get(READ), "start", get(P_COMPLETION), "start")
-    return pairs
-
-
-def _contradicted(pairs: list[tuple[int, Any, int, Any]], offsets: dict[str, int], bounds: dict[str, int]) -> bool:
-    """Whether measured offsets put a later moment before an earlier one by more than both bounds. Each
-    moment is moved by its own process's offset: a side's processes (engine core, TP workers) may each
-    run on a clock of their own. Pairs with an unmeasured process check nothing."""
-    for earlier, earlier_span, later, later_span in pairs:
-        a, b = earlier_span.origin.instance, later_span.origin.instance
-        if a in bounds and b in bounds and earlier + offsets[a] - (later + offsets[b]) > bounds[a] + bounds[b]:
+            if reversed_(sent, root, d_first.start, d_first):
+                return True
+        # D's first token before the router had it
+        if token is not None and reversed_(token.end, token, d_leg.end if d_leg is not None else first_token_at_router,
+                                           root):
             return True
-    return False
+    if mode == "push":  # D's registration left before P received it; P posted the WRITE before D saw it land
+        d_reg, p_reg, write, d_done = get(D_REGISTRATION), get(P_REGISTRATION), get(WRITE), get(D_COMPLETION)
+        return (d_reg is not None and p_reg is not None and reversed_(d_reg.start, d_reg, p_reg.start, p_reg)) or \
+            (write is not None and d_done is not None and reversed_(write.start, write, d_done.start, d_done))
+    # pull: D had its leg after P's answer; D posted its READ before P saw the READ's notification
+    read, released = get(READ), get(P_COMPLETION)
+    return (prefill is not None and d_first is not None and reversed_(prefill.end, prefill, d_first.start, d_first)) or \
+        (read is not None and released is not None and reversed_(read.start, read, released.start, released))
