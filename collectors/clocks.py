@@ -82,9 +82,13 @@ class Fit:
     slope_error: float = _DRIFT_ALLOWANCE  # how far the slope may be off what the clock did
 
     def at(self, t: int) -> tuple[int, int]:
-        i = bisect.bisect_left(self.times, t)
-        near = range(max(0, i - 3), min(len(self.times), i + 3))
-        bound = min(self.errors[j] + abs(t - self.times[j]) * self.slope_error for j in near)
+        times, errors, slope_error = self.times, self.errors, self.slope_error
+        i = bisect.bisect_left(times, t)
+        bound = None
+        for j in range(max(0, i - 3), min(len(times), i + 3)):  # a loop, not min(genexpr): per trace and process
+            near = errors[j] + abs(t - times[j]) * slope_error
+            if bound is None or near < bound:
+                bound = near
         return int(self.a + self.slope * (t - self.t0)), int(bound)
 
 
