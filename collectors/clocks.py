@@ -418,12 +418,12 @@ class ClockAligner:
             bounds[reference] = 0
 
         def place(span: Any, lower: float | None, upper: float | None) -> int:
-            """The instance's offset: measured where it is, else estimated from [lower, upper]."""
+            """The instance's offset: measured where it is, else estimated from [lower, upper] (a measured
+            instance stays measured: the book extrapolates its fit, with a widening bound, if it stops)."""
             instance = span.origin.instance
-            estimate = self.estimator.update((reference, instance), lower, upper)
             measured = self.book.between(instance, span.start, reference, at) if measure else None
             if measured is None:
-                offsets[instance] = estimate
+                offsets[instance] = estimate = self.estimator.update((reference, instance), lower, upper)
                 return estimate
             offsets[instance], bounds[instance] = measured
             return measured[0]
