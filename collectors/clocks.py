@@ -417,43 +417,42 @@ class ClockAligner:
         if measure:
             bounds[reference] = 0
 
-        def place(span: Any, lower: float | None, upper: float | None) -> int:
-            """The instance's offset: measured where it is, else estimated from [lower, upper] (a measured
+        def measured(span: Any) -> int | None:
+            """The instance's measured offset, recorded with its bound; None where it is not measured (a measured
             instance stays measured: the book extrapolates its fit, with a widening bound, if it stops)."""
-            instance = span.origin.instance
-            measured = self.book.between(instance, span.start, reference, at) if measure else None
-            if measured is None:
-                offsets[instance] = estimate = self.estimator.update((reference, instance), lower, upper)
-                return estimate
-            offsets[instance], bounds[instance] = measured
-            return measured[0]
+            found = self.book.between(span.origin.instance, span.start, reference, at) if measure else None
+            if found is None:
+                return None
+            offsets[span.origin.instance], bounds[span.origin.instance] = found
+            return found[0]
 
+        def estimated(span: Any, lower: float | None, upper: float | None) -> int:
+            """The instance's offset from this trace's bounds [lower, upper] and the recent traces'."""
+            instance = span.origin.instance
+            offsets[instance] = estimate = self.estimator.update((reference, instance), lower, upper)
+            return estimate
+
+        # The span order's bounds are worked out only for an instance that is not measured.
         get = index.get
         if root is None:  # P is the reference: only the P<->D pairs bound D
-            if d_any is not None:
-                place(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push" else _pull_pairs(index)))
+            if d_any is not None and measured(d_any) is None:
+                estimated(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push" else _pull_pairs(index)))
             return offsets, bounds
-        route = get(ROUTE)
-        route_end = route.end if route is not None else root.start
-        ttft = whole_number(root.attrs.get(_TTFT))
-        first_token_at_router = root.start + ttft if ttft else root.end
-        relay = get(R_REGISTRATION)  # pull: P's params relayed to D
-        p_offset = 0
-        if p_any is not None:
-            first = get(P_INPUT) or get(P_QUEUE)
-            lower = route_end - first.start if first is not None else None
-            prefill, leg = get(P_PREFILL), get(PREFILL_LEG)
-            answered = leg.end if leg is not None else relay.start if relay is not None else first_token_at_router
-            upper = answered - prefill.end if prefill is not None else None
-            p_offset = place(p_any, lower, upper)
-        if d_any is not None:
-            first = get(D_INPUT) or get(ALLOCATION)
-            sent = relay.end if mode == "pull" and relay is not None else route_end
+        p_offset = measured(p_any) if p_any is not None else 0
+        d_placed = d_any is None or measured(d_any) is not None
+        if p_offset is not None and d_placed:  # both measured, as deployed
+            return offsets, bounds
+        route_end, answered, token_seen = _router_moments(index, root)
+        if p_offset is None:
+            first, prefill = get(P_INPUT) or get(P_QUEUE), get(P_PREFILL)
+            p_offset = estimated(p_any, route_end - first.start if first is not None else None,
+                                 answered - prefill.end if prefill is not None else None)
+        if not d_placed:
+            first, token, relay = get(D_INPUT) or get(ALLOCATION), get(FIRST_TOKEN), get(R_REGISTRATION)
+            sent = relay.end if mode == "pull" and relay is not None else route_end  # pull: after P's params relayed
             lower = sent - first.start if first is not None else None
-            token, leg = get(FIRST_TOKEN), get(DECODE_LEG)
-            back = leg.end if leg is not None else first_token_at_router
-            upper = back - token.end if token is not None else None
-            place(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
+            upper = token_seen - token.end if token is not None else None
+            estimated(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
         return offsets, bounds
 
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
@@ -495,6 +494,19 @@ def _min(a, b):
     return b if a is None else a if b is None else min(a, b)
 
 
+def _router_moments(index, root: Any) -> tuple[int, int, int]:
+    """On the router's clock: when it had routed the request (P's leg left), when it had P's answer (pull: the
+    relay's start), and when it had D's first token (its decode leg's end; without those spans, the root's
+    TTFT attribute, else its end)."""
+    get = index.get
+    route, p_leg, relay, d_leg = get(ROUTE), get(PREFILL_LEG), get(R_REGISTRATION), get(DECODE_LEG)
+    ttft = whole_number(root.attrs.get(_TTFT))
+    first_token_at_router = root.start + ttft if ttft else root.end
+    return (route.end if route is not None else root.start,
+            p_leg.end if p_leg is not None else relay.start if relay is not None else first_token_at_router,
+            d_leg.end if d_leg is not None else first_token_at_router)
+
+
 def _tighten_with_prefill(index, p_offset: int, lower, upper):
     """Push: D's registration left before P received it; P posted the WRITE before D saw it land.
     (lower, upper) tightened by those pairs, through P's offset. D's registration span ends once
@@ -527,25 +539,19 @@ def _contradicted(index, root: Any, mode: str, offsets: dict[str, int], bounds: 
     p_first, d_first = get(P_INPUT) or get(P_QUEUE), get(D_INPUT) or get(ALLOCATION)
     prefill, token = get(P_PREFILL), get(FIRST_TOKEN)
     if root is not None:  # every router moment is on the router's clock: its root span stands for them all
-        route, relay, p_leg, d_leg = get(ROUTE), get(R_REGISTRATION), get(PREFILL_LEG), get(DECODE_LEG)
-        route_end = route.end if route is not None else root.start
-        ttft = whole_number(root.attrs.get(_TTFT))
-        first_token_at_router = root.start + ttft if ttft else root.end
-        # P had the request after the router routed it
+        route_end, answered, token_seen = _router_moments(index, root)
+        # P had the request after the router routed it; P's prefill ended before the router had P's answer
         if p_first is not None and reversed_(route_end, root, p_first.start, p_first):
             return True
-        if prefill is not None:  # P's prefill ended before the router had P's answer
-            answered = p_leg.end if p_leg is not None else relay.start if relay is not None else first_token_at_router
-            if reversed_(prefill.end, prefill, answered, root):
-                return True
+        if prefill is not None and reversed_(prefill.end, prefill, answered, root):
+            return True
         if d_first is not None:  # D had its leg after the router sent it: the leg's start (without that span,
             # the relay's end in pull, the route's in push, whose two legs leave together)
+            d_leg, relay = get(DECODE_LEG), get(R_REGISTRATION)
             sent = d_leg.start if d_leg is not None else relay.end if mode == "pull" and relay is not None else route_end
             if reversed_(sent, root, d_first.start, d_first):
                 return True
-        # D's first token before the router had it
-        if token is not None and reversed_(token.end, token, d_leg.end if d_leg is not None else first_token_at_router,
-                                           root):
+        if token is not None and reversed_(token.end, token, token_seen, root):  # D's first token, then the router's
             return True
     if mode == "push":  # D's registration left before P received it; P posted the WRITE before D saw it land
         d_reg, p_reg, write, d_done = get(D_REGISTRATION), get(P_REGISTRATION), get(WRITE), get(D_COMPLETION)
