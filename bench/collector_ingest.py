@@ -73,9 +73,16 @@ def _kv(key, value):
     return KeyValue(key=key, value=v)
 
 
-def make_load(traces: int, per_request: int, seed: int = 1) -> list[bytes]:
+def instance_of(service: str) -> str:
+    """The ``service.instance.id`` of the load's one process of ``service``."""
+    return f"{service}-0"
+
+
+def make_load(traces: int, per_request: int, seed: int = 1, start_ns: int | None = None) -> list[bytes]:
+    """``traces`` traces of :data:`STAGES`, the first starting at ``start_ns`` (default an hour ago), one every ms,
+    in export requests of ``per_request`` spans."""
     rng = random.Random(seed)
-    base = time.time_ns() - 3_600 * 10**9
+    base = time.time_ns() - 3_600 * 10**9 if start_ns is None else start_ns
     requests, current, spans_in = [], None, 0
     services = {}
     for t in range(traces):
@@ -92,7 +99,7 @@ def make_load(traces: int, per_request: int, seed: int = 1) -> list[bytes]:
                 rs = current.resource_spans.add()
                 rs.resource.attributes.extend([_kv("service.name", service), _kv("kvtrace.role", role),
                                                _kv("kvtrace.mode", "push"),
-                                               _kv("service.instance.id", f"{service}-0")])
+                                               _kv("service.instance.id", instance_of(service))])
                 scope_spans = services[service] = rs.scope_spans.add()
                 scope_spans.scope.name = "kvtrace"
             span = scope_spans.spans.add()

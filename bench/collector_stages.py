@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from collector_ingest import STAGES, make_load  # noqa: E402
+from collector_ingest import STAGES, instance_of, make_load  # noqa: E402
 
 from kvtrace.collectors.compiled import running_as_python  # noqa: E402
 from kvtrace.collectors.config import CollectorConfig  # noqa: E402
@@ -50,8 +50,8 @@ def main() -> int:
     parser.add_argument("--clocks", action="store_true",
                         help="every sender's clock measured (clock exchanges before the load), as deployed")
     args = parser.parse_args()
-    load_start = time.time_ns() - 3_600 * 10**9  # make_load's traces start here, 1 ms apart
-    load = make_load(args.traces, args.batch)
+    load_start = time.time_ns() - 3_600 * 10**9
+    load = make_load(args.traces, args.batch, start_ns=load_start)
     spans = args.traces * len(STAGES)
     costs: dict[str, float] = {}
 
@@ -69,7 +69,7 @@ def main() -> int:
         if args.clocks:  # an exchange every 2 s over the load's time, each with a 0.2 ms round trip
             for at in range(load_start - 4 * 10**9, load_start + args.traces * 10**6 + 4 * 10**9, 2 * 10**9):
                 for service in sorted({stage[0] for stage in STAGES}):
-                    collector.clocks.add(f"{service}-0", at - 100_000, at, at + 20_000, at + 120_000)
+                    collector.clocks.add(instance_of(service), at - 100_000, at, at + 20_000, at + 120_000)
         forwarding = [0.0]  # CPU seconds inside the forwarder's consume (called by the decisions)
         if forwarder is not None:
             consume = forwarder.consume
