@@ -41,6 +41,15 @@ def _ms(ns: int) -> str:
     return f"{ms:,.0f} ms" if ms >= 10 else f"{ms:.1f} ms" if ms >= 0.1 else f"{ms:.2f} ms"
 
 
+def _bytes(n: int) -> str:
+    """In decimal units, as the rate beside it and the dashboard's "MB per request" (a MiB beside MB/s
+    read 5 % off)."""
+    mb = n / 1e6
+    if mb >= 1_000:
+        return f"{mb / 1e3:.1f} GB"
+    return f"{mb:,.0f} MB" if mb >= 10 else f"{mb:.1f} MB" if mb >= 0.1 else f"{n / 1e3:.1f} kB"
+
+
 def _share(part_ns: int, ttft_ns: int) -> str:
     return f"{round(100 * part_ns / ttft_ns)} %"
 
@@ -51,12 +60,10 @@ def _transfer(key: tuple[str, str]) -> Callable[[Breakdown, int], str]:
     def phrase(b: Breakdown, critical: int) -> str:
         if not b.transfer_bytes:
             return f"the NIXL {op} took {_ms(critical)}"
-        mib = b.transfer_bytes / 2**20
-        size = f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
         took = b.timings[key]
         rate = b.transfer_bytes / max(took[1] - took[0], 1)  # bytes per ns = GB/s
         speed = f"{rate:.2f} GB/s" if rate >= 0.1 else f"{rate * 1e3:.1f} MB/s"
-        return f"the NIXL {op} of {size} took {_ms(critical)} ({speed})"
+        return f"the NIXL {op} of {_bytes(b.transfer_bytes)} took {_ms(critical)} ({speed})"
     return phrase
 
 

@@ -3,10 +3,13 @@ the sentence where operators read it (the store, the forwarded breakdown span, `
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvtrace import cli
+from kvtrace.collectors.breakdown import READ
 from kvtrace.collectors.breakdown_span import BreakdownSpans
 from kvtrace.collectors.explain import RUNNER_UP_SHARE, explain
 from kvtrace.collectors.read import Filters, open_store
@@ -22,7 +25,7 @@ SHAPES = {  # shape: (the trace, its sentence)
         "at the rendezvous."),
     "wire-bound": (  # a second TP rank whose READ lands 500 ms late: the path runs through it
         dict(mode="pull", late_rank_ms=500),
-        "75 % wire: the NIXL READ of 4.0 MiB took 508 ms (8.3 MB/s); 24 % compute: P's prefill of 2,000 tokens "
+        "75 % wire: the NIXL READ of 4.2 MB took 508 ms (8.3 MB/s); 24 % compute: P's prefill of 2,000 tokens "
         "took 144 ms."),
     "queue-bound": (
         dict(mode="push", d_queue_ms=400),
@@ -44,6 +47,22 @@ def test_each_shape_has_its_sentence(shape):
     breakdown = attribute(build(**kwargs))
     assert breakdown.explanation == explain(breakdown)  # the attributor derives it, once
     assert breakdown.explanation == expected
+
+
+@pytest.mark.parametrize("transfer_bytes, size", [(4_194_304, "4.2 MB"), (50_000, "50.0 kB"), (2_500_000_000, "2.5 GB")])
+def test_a_transfer_reads_in_the_units_of_its_rate_and_of_the_dashboard(transfer_bytes, size):
+    """Size and rate in decimal units, as the Push vs pull page's "MB per request" and "MB/s": the size
+    over the READ's time gives the rate printed beside it (a MiB there read 5 % off its MB/s)."""
+    breakdown = attribute(build("pull", late_rank_ms=500))
+    breakdown.transfer_bytes = transfer_bytes
+    sentence = explain(breakdown)
+    found = re.search(r"the NIXL READ of ([\d.,]+) (kB|MB|GB) took [\d.,]+ ms \(([\d.]+) (MB|GB)/s\)", sentence)
+    assert found, sentence
+    assert f"{found[1]} {found[2]}" == size
+    start, end, _ = breakdown.timings[READ]
+    stated = float(found[1].replace(",", "")) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[found[2]]
+    rate = float(found[3]) * {"MB": 1e6, "GB": 1e9}[found[4]]
+    assert stated / ((end - start) / 1e9) == pytest.approx(rate, rel=0.03)
 
 
 def test_the_sentence_follows_the_numbers_not_a_template():
