@@ -138,7 +138,12 @@ class BreakdownSpans:
                                  attributes(_SEGMENT_KEYS, (side, stage, category))))
         return b"".join(out), len(out)
 
-    def request(self, spans: bytes) -> bytes:
-        """The encoded spans as one ``ExportTraceServiceRequest.resource_spans`` entry: appended to
-        an export request's bytes, they join it (a repeated field's entries just follow each other)."""
-        return field(1, self._resource + field(2, self._scope + spans))
+    def request(self, spans: list[bytes]) -> bytes:
+        """The encoded spans (each what :meth:`encode` gave) as one ``ExportTraceServiceRequest.resource_spans``
+        entry: appended to an export request's bytes, they join it (a repeated field's entries just follow
+        each other). Written in one join: a batch is ~0.75 MB, and each ``field()`` around it copied it once
+        more into fresh memory (1.85 against 0.08 µs a breakdown span, 512 a batch)."""
+        size = len(self._scope) + sum(map(len, spans))
+        scope_spans = b"\x12" + varint(size)  # ResourceSpans.scope_spans (field 2): its tag and length
+        return b"".join((b"\x0a", varint(len(self._resource) + len(scope_spans) + size),  # resource_spans (1)
+                         self._resource, scope_spans, self._scope, *spans))

@@ -241,7 +241,7 @@ class DecidedTraceForwarder:
                 if self._outgoing_spans >= BREAKDOWN_BATCH_SPANS:
                     self.flush()
             return
-        payload = rebuild_request(spans) + (self._breakdown_spans.request(encoded) if count else b"")
+        payload = rebuild_request(spans) + (self._breakdown_spans.request([encoded]) if count else b"")
         for upstream in self.upstreams:
             upstream.consume(payload, len(spans) + count)
 
@@ -250,7 +250,7 @@ class DecidedTraceForwarder:
         ``due_only``, only once the batch is full or its first span has waited long enough)."""
         if not self._outgoing or (due_only and time.monotonic() - self._outgoing_since < BREAKDOWN_BATCH_WAIT_S):
             return
-        payload = self._breakdown_spans.request(b"".join(self._outgoing))
+        payload = self._breakdown_spans.request(self._outgoing)
         count, self._outgoing, self._outgoing_spans = self._outgoing_spans, [], 0
         for upstream in self.upstreams:
             upstream.consume(payload, count)

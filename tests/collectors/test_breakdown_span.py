@@ -31,7 +31,7 @@ def encode(built, revision=1, segments=False):
     encoder = BreakdownSpans(segments=segments, version="9.9")
     spans, count = encoder.encode(rows[0].trace_id, breakdown, revision)
     # appended to the trace's own spans, they make one valid export request
-    request = ExportTraceServiceRequest.FromString(rebuild_request(rows) + encoder.request(spans))
+    request = ExportTraceServiceRequest.FromString(rebuild_request(rows) + encoder.request([spans]))
     made = request.resource_spans[-1]
     assert len(made.scope_spans[0].spans) == count
     return breakdown, made, rows
@@ -146,6 +146,25 @@ def test_native_attributes_are_the_reference_bytes():
             encode(("k",), [[1]])
         with pytest.raises(ValueError, match="2 keys, 1 values"):
             encode(("a", "b"), [1])
+
+
+def test_a_batch_of_breakdown_spans_is_one_resource_with_each_span_whole():
+    """The tee's batches: many encoded breakdown spans in one ``resource_spans`` entry under the collector's
+    resource and scope, each span as encoded alone (the entry is written in one join, not field by field)."""
+    encoder = BreakdownSpans(version="9.9")
+    encoded = []
+    for built in (build("push", "registration_first"), build("push", "kv_first"), build("pull")):
+        rows = decoded(built)
+        encoded.append(encoder.encode(rows[0].trace_id, Attributor().attribute(built.trace_id, rows), 1)[0])
+    payload = encoder.request(encoded)
+    assert payload == wire.field(1, encoder._resource + wire.field(2, encoder._scope + b"".join(encoded)))
+    (resource_spans,) = ExportTraceServiceRequest.FromString(payload).resource_spans
+    assert {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"] == "kvtrace-collector"
+    (scope_spans,) = resource_spans.scope_spans
+    assert (scope_spans.scope.name, scope_spans.scope.version) == ("kvtrace.collector", "9.9")
+    alone = [ExportTraceServiceRequest.FromString(encoder.request([one])).resource_spans[0].scope_spans[0].spans[0]
+             for one in encoded]
+    assert list(scope_spans.spans) == alone and len({span.trace_id for span in alone}) == 3
 
 
 @needs_native

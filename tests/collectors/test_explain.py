@@ -105,7 +105,7 @@ def test_it_is_stored_forwarded_and_printed(tmp_path, capsys):
     breakdown = attribute(traces[0])
     spans = BreakdownSpans()
     encoded, _ = spans.encode(bytes.fromhex(traces[0].trace_id), breakdown, revision=1)
-    request = ExportTraceServiceRequest.FromString(spans.request(encoded))
+    request = ExportTraceServiceRequest.FromString(spans.request([encoded]))
     (span,) = request.resource_spans[0].scope_spans[0].spans
     attrs = {a.key: a.value.string_value for a in span.attributes}
     assert attrs[semconv.BREAKDOWN_EXPLANATION] == breakdown.explanation
