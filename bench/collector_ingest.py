@@ -8,10 +8,17 @@ with four streams. kvtrace's collector receives, writes its write-ahead log, dec
 stores in DuckDB (Arrow batches), assembles and attributes every trace; rotel receives,
 batches and exports to its blackhole. Throughput is spans divided by the collector
 process's own CPU time (user + system, all threads, from wait4), so "per core" holds
-whatever else the machine does. Steady state is the load's CPU alone: from the moment the
-collector is quiet after a small warm-up load (other traces: first calls, lazy imports) to
-the moment it is quiet again after the load (every span stored, every trace decided), read
-from /proc; the whole-run figure adds start-up and shutdown. Rounds alternate kvtrace and
+whatever else the machine does. Each process first gets a small warm-up load (other
+traces: first calls, lazy imports), then a first load of the same size as the measured one (other
+traces again), then the measured load. Steady state is that last load's CPU alone, from the moment
+the collector is quiet after the first load to the moment it is quiet again (every span stored,
+every trace decided), read from /proc: a collector that has been running, as in production. Under
+its first load a fresh collector grows its memory to its working size (~300 MB: DuckDB's table
+data until its next checkpoint, the allocators' pools): ~0.4 minor page faults a span, each a page
+the kernel maps and zeroes, 1.4-2.2 µs of system CPU a span against 0.6-0.7 µs once grown (three
+rounds, 2026-12-05). So the first load's figure is printed beside it (the figure this bench called
+steady state until then), with the faults and system CPU per span of each. The whole-run figure
+adds start-up and shutdown. Rounds alternate kvtrace and
 rotel, and medians are printed, because this shared machine's speed drifts between runs.
 
 With ``--forward``, each round also runs kvtrace's collector forwarding to a rotel (pinned to
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import random
 import signal
@@ -142,11 +150,23 @@ def send(port: int, load: list[bytes], streams: int = 4) -> None:
     channel.close()
 
 
-def _stat_cpu_seconds(stat_path: str) -> float:
-    """User + system CPU from a /proc ``stat`` file (a process's: all its threads; a task's: one)."""
+def _stat_fields(stat_path: str) -> list[str]:
+    """A /proc ``stat`` file's fields after the command name (a process's: all its threads; a task's: one)."""
     with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _stat_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU from a /proc ``stat`` file."""
+    fields = _stat_fields(stat_path)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _memory_counters(pid: int) -> tuple[int, float]:
+    """A process's minor page faults so far (each a page the kernel mapped, and zeroed, on first touch) and
+    its system CPU seconds (the kernel's time on its behalf, those faults' included)."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -184,28 +204,36 @@ def _wait_until_quiet(pid: int, window_s: float = 0.5, limit_s: float = 60.0) ->
     return cpu
 
 
-def run_process(command: list[str], port: int, load: list[bytes], warm_up: list[bytes],
-                core: int) -> tuple[float, float, float, dict[str, float]]:
-    """(CPU seconds of the whole process, CPU seconds of the load alone, wall seconds of the send, the
-    load's CPU seconds per thread name).
+def run_process(command: list[str], port: int, loads: Loads, core: int) -> dict:
+    """The process's CPU seconds (``cpu``: the whole process; ``first_cpu``: the first load alone;
+    ``load_cpu``: the measured load alone), minor page faults and system CPU seconds in each load
+    (``first_faults``, ``load_faults``, ``first_system``, ``load_system``), the measured load's send in wall
+    seconds (``wall``) and CPU seconds per thread name (``threads``).
 
-    The load alone: from quiet after a warm-up load (a few requests of other traces: first
-    calls, lazy imports) to quiet after the load (every span stored, every trace decided)."""
+    A load alone: from quiet before it to quiet after it (every span stored, every trace decided)."""
     process = subprocess.Popen(["taskset", "-c", str(core), *command], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        send(port, warm_up)
+        send(port, loads.warm_up)
+        start = _wait_until_quiet(process.pid)
+        faults_start, system_start = _memory_counters(process.pid)
+        send(port, loads.first)
         before = _wait_until_quiet(process.pid)
+        faults_before, system_before = _memory_counters(process.pid)
         threads_before = _thread_cpu(process.pid)
         started = time.perf_counter()
-        send(port, load)
+        send(port, loads.measured)
         wall = time.perf_counter() - started
         after = _wait_until_quiet(process.pid)
+        faults_after, system_after = _memory_counters(process.pid)
         threads = {name: seconds - threads_before.get(name, 0.0) for name, seconds in _thread_cpu(process.pid).items()}
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # a clean stop: kvtrace flushes its store
     _, status, usage = os.wait4(process.pid, 0)
-    return usage.ru_utime + usage.ru_stime, after - before, wall, threads
+    return {"cpu": usage.ru_utime + usage.ru_stime, "first_cpu": before - start, "load_cpu": after - before,
+            "first_faults": faults_before - faults_start, "load_faults": faults_after - faults_before,
+            "first_system": system_before - system_start, "load_system": system_after - system_before,
+            "wall": wall, "threads": threads}
 
 
 def rotel_command(port: int, work: str, name: str) -> list[str]:
@@ -215,22 +243,30 @@ def rotel_command(port: int, work: str, name: str) -> list[str]:
             "--pid-file", os.path.join(work, f"{name}.pid"), "--log-file", os.path.join(work, f"{name}.log")]
 
 
-def run_kvtrace(work: str, name: str, load: list[bytes], warm_up: list[bytes], core: int,
-                forward: list[str]) -> dict[str, float]:
+@dataclasses.dataclass
+class Loads:
+    """What each collector is sent, in order: the warm-up, the first load, the measured load."""
+
+    warm_up: list[bytes]
+    first: list[bytes]
+    measured: list[bytes]
+
+
+def run_kvtrace(work: str, name: str, loads: Loads, core: int, forward: list[str]) -> dict:
     """One kvtrace collector run: its CPU, and what it stored, attributed and forwarded."""
     port = free_port()
     db = os.path.join(work, f"{name}.duckdb")
     command = [sys.executable, "-m", "kvtrace", "collector", "--http-port", "-1", "--decision-wait", "0.5",
                "--db", db, "--grpc-port", str(port), *forward]
-    cpu, load_cpu, wall, threads = run_process(command, port, load, warm_up, core)
+    result = run_process(command, port, loads, core)
     con = duckdb.connect(db, read_only=True)
     stored = con.execute("SELECT count(*) FROM spans").fetchone()[0]
     attributed = con.execute("SELECT count(*) FROM requests").fetchone()[0]
     forwarded = con.execute("SELECT coalesce(max(forwarded_spans), 0), coalesce(max(forward_dropped), 0) "
                             "FROM collector_health").fetchone()
     con.close()
-    return {"cpu": cpu, "load_cpu": load_cpu, "wall": wall, "stored": stored, "attributed": attributed,
-            "forwarded": forwarded[0], "forward_dropped": forwarded[1], "threads": threads}
+    return {**result, "stored": stored, "attributed": attributed, "forwarded": forwarded[0],
+            "forward_dropped": forwarded[1]}
 
 
 def main() -> int:
@@ -251,12 +287,14 @@ def main() -> int:
     collector_core, sender_core = cores[0], cores[-1]
     os.sched_setaffinity(0, {sender_core})
     print(f"building {args.traces * len(STAGES):,} spans...", file=sys.stderr)
-    load = make_load(args.traces, args.batch)
-    spans = args.traces * len(STAGES)
+    hour = 3_600 * 10**9
     warm_traces = 200
-    warm_up = make_load(warm_traces, args.batch, seed=2)  # other traces, sent first to each collector
+    loads = Loads(warm_up=make_load(warm_traces, args.batch, seed=2),  # other traces, sent first to each collector
+                  first=make_load(args.traces, args.batch, seed=3, start_ns=time.time_ns() - 2 * hour),
+                  measured=make_load(args.traces, args.batch, start_ns=time.time_ns() - hour))
+    spans = args.traces * len(STAGES)
     warm_spans = warm_traces * len(STAGES)
-    all_spans, all_traces = spans + warm_spans, args.traces + warm_traces
+    all_spans, all_traces = 2 * spans + warm_spans, 2 * args.traces + warm_traces
 
     # "tee": forwarding the spans as received only (--no-forward-breakdown); "forwarding": with
     # the breakdown spans too. Their difference is what the breakdown spans cost.
@@ -268,7 +306,7 @@ def main() -> int:
             work = os.path.join(tmp, f"round-{number}")
             os.mkdir(work)
             print(f"round {number}/{args.rounds}: {', then '.join(configs)}...", file=sys.stderr)
-            row["kvtrace"] = run_kvtrace(work, "plain", load, warm_up, collector_core, [])
+            row["kvtrace"] = run_kvtrace(work, "plain", loads, collector_core, [])
             if args.forward:
                 upstream_port = free_port()
                 upstream = subprocess.Popen(["taskset", "-c", str(sender_core),
@@ -278,40 +316,49 @@ def main() -> int:
                 try:
                     grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{upstream_port}")).result(timeout=30)
                     flags = ["--forward", f"grpc://127.0.0.1:{upstream_port}"]
-                    row["tee"] = run_kvtrace(work, "tee", load, warm_up, collector_core,
+                    row["tee"] = run_kvtrace(work, "tee", loads, collector_core,
                                              [*flags, "--no-forward-breakdown"])
-                    row["forwarding"] = run_kvtrace(work, "forwarding", load, warm_up, collector_core, [
+                    row["forwarding"] = run_kvtrace(work, "forwarding", loads, collector_core, [
                         *flags, *(["--forward-critical-path"] if args.forward_critical_path else [])])
                 finally:
                     os.killpg(upstream.pid, signal.SIGTERM)
                     upstream.wait(30)
             port = free_port()
-            cpu, load_cpu, wall, _ = run_process(rotel_command(port, work, "rotel"), port, load, warm_up, collector_core)
-            row["rotel"] = {"cpu": cpu, "load_cpu": load_cpu, "wall": wall}
+            row["rotel"] = run_process(rotel_command(port, work, "rotel"), port, loads, collector_core)
             for result in row.values():
                 result["steady"] = spans / max(result["load_cpu"], 1e-9)
+                result["first"] = spans / max(result["first_cpu"], 1e-9)
                 result["whole"] = all_spans / result["cpu"]
             rounds.append(row)
 
-    print(f"{spans:,} spans in {len(load)} OTLP/gRPC requests; collector pinned to core {collector_core}, "
+    print(f"{spans:,} spans in {len(loads.measured)} OTLP/gRPC requests; collector pinned to core {collector_core}, "
           f"sender{' and upstream rotel' if args.forward else ''} on core {sender_core}; {args.rounds} rounds, "
           f"{', '.join(configs)} alternated")
-    print("spans per CPU-second. steady state: the load's CPU alone, from quiet after a warm-up of "
-          f"{warm_spans:,} spans to quiet after every span is stored; whole run: with start-up and shutdown")
-    header = f"{'round':<7}" + "".join(f"{name + ' steady':>20}{'whole run':>11}" for name in configs)
-    print(header + (f"{'tee/plain':>11}{'fwd/plain':>11}" if args.forward else "") + f"{'kvtrace/rotel':>15}")
+    print(f"spans per CPU-second. steady: the load's CPU alone, sent to a collector that has had a warm-up of "
+          f"{warm_spans:,} spans and a first load of {spans:,} (other traces), to quiet after every span is stored; "
+          "first load: that first load's CPU alone, into a process that grows to its working size under it")
+    header = f"{'round':<7}" + "".join(f"{name + ' steady':>20}{'first load':>11}" for name in configs)
+    print(header + (f"{'tee/plain':>11}{'fwd/plain':>11}" if args.forward else "") + f"{'kvtrace/rotel':>15}"
+          f"{'(first load)':>14}")
 
     def line(label: str, row: dict[str, dict[str, float]]) -> str:
-        text = f"{label:<7}" + "".join(f"{row[name]['steady']:>20,.0f}{row[name]['whole']:>11,.0f}" for name in configs)
+        text = f"{label:<7}" + "".join(f"{row[name]['steady']:>20,.0f}{row[name]['first']:>11,.0f}" for name in configs)
         if args.forward:
             text += "".join(f"{row[name]['steady'] / row['kvtrace']['steady']:>11.3f}" for name in ("tee", "forwarding"))
-        return text + f"{row['kvtrace']['steady'] / row['rotel']['steady']:>15.3f}"
+        return (text + f"{row['kvtrace']['steady'] / row['rotel']['steady']:>15.3f}"
+                f"{row['kvtrace']['first'] / row['rotel']['first']:>14.3f}")
 
     for number, row in enumerate(rounds, 1):
         print(line(str(number), row))
-    median = {name: {key: statistics.median(row[name][key] for row in rounds) for key in ("steady", "whole")}
-              for name in configs}
+    median = {name: {key: statistics.median(row[name][key] for row in rounds)
+                     for key in ("steady", "first", "whole", "first_faults", "load_faults", "first_system", "load_system")} for name in configs}
     print(line("median", median))
+    print("medians: whole run (start-up, the three loads, shutdown) in spans per CPU-second; per span, first load -> "
+          "steady: minor page faults, and system CPU (µs)")
+    for name in configs:
+        m = median[name]
+        print(f"  {name:<12}{m['whole']:>10,.0f}   faults {m['first_faults'] / spans:.2f} -> {m['load_faults'] / spans:.2f}"
+              f"   system {m['first_system'] / spans * 1e6:.2f} -> {m['load_system'] / spans * 1e6:.2f} µs")
     kvtrace_configs = [name for name in configs if name != "rotel"]
     names = sorted({t for row in rounds for name in kvtrace_configs for t in row[name]["threads"]},
                    key=lambda t: -statistics.median(row["kvtrace"]["threads"].get(t, 0.0) for row in rounds))
