@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
-from kvtrace.collectors.read import PART_COLUMNS, PARTS, Filters, StoreUnavailable, length_label
+from kvtrace.collectors.read import ESTIMATE_ERROR, PART_COLUMNS, PARTS, Filters, StoreUnavailable, length_label
 from kvtrace.telemetry import semconv
 
 from . import charts, data
@@ -265,7 +265,7 @@ def difference_line(push: dict[str, Any], pull: dict[str, Any]) -> str:
 
 def ms_short(value: float | None, approximate: bool = False) -> str:
     """A duration in at most three significant digits and seven characters (a KPI's column is narrow):
-    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±4 %):
+    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±4.3 %):
     4.2 ms, 88 ms, 410 ms, 1.2 s."""
     if value is None:
         return "–"
@@ -279,6 +279,22 @@ def ms_short(value: float | None, approximate: bool = False) -> str:
     if unit == "ms" and rounded >= 1_000:  # 999.96 ms rounds up into seconds
         return ms_short(1_000.0, approximate)
     return f"{rounded:.{max(0, digits - 1 - math.floor(math.log10(rounded)))}f} {unit}"
+
+
+def percentiles_note(exact: bool) -> str:
+    """What a page's percentiles are, for its caption: exact (from the rows), or the histograms' estimate."""
+    if exact:
+        return "percentiles exact"
+    return (f"percentiles from log-bucketed histograms (±{ESTIMATE_ERROR * 100:.1f} %: over "
+            f"{count(data.reader().exact_quantiles_up_to)} requests), to two digits")
+
+
+def rough(value: float | None, exact: bool) -> float | None:
+    """A percentile as a table shows it: as measured, or a histogram's estimate to the two digits its ±4.3 %
+    supports (43.34 -> 43, 0.2234 -> 0.22, 1,234 -> 1,200)."""
+    if exact or not value:
+        return value
+    return round(value, 1 - math.floor(math.log10(abs(value))))
 
 
 def pct(value: float | None, digits: int = 1) -> str:

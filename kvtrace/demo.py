@@ -107,8 +107,9 @@ def _report(store, f, modes: list[str]) -> None:
     print("unattributed share of TTFT: " + "; ".join(
         f"{mode} p50 {shares[mode]['p50']:.1%}, p90 {shares[mode]['p90']:.1%}" for mode in modes if mode in shares))
     stages = store.stage_table(f)
+    measured = "exact" if all(r["quantiles_exact"] for r in stages) else "histogram estimate, ±4.3 %"
     for mode in modes:
-        print(f"\n{mode}: each stage, median duration and its mean time on the critical path (ms)")
+        print(f"\n{mode}: each stage, median duration ({measured}) and its mean time on the critical path (ms)")
         print(_table([r for r in stages if r["mode"] == mode], [
             ("side", "side", ""), ("stage", "stage", ""), ("category", "category", ""),
             ("p50_ms", "duration", ".2f"), ("critical_per_request_ms", "critical", ".2f")]))

@@ -6,9 +6,9 @@ The reader, the sweep runs, the load generator's per-request ITL percentiles and
 use it, so a p99 on one page is the same kind of number as a p99 on another.
 
 Estimated: over many requests the reader reads the rollups' log-bucketed histograms
-(``schema.HIST_PER_OCTAVE`` buckets per doubling) and interpolates inside the bucket that holds
-the rank (:func:`histogram_quantiles`): within a bucket's width, ±4 %. Up to
-:data:`EXACT_QUANTILES_UP_TO` selected requests the KPIs are exact.
+(``schema.HIST_PER_OCTAVE`` buckets per doubling) and takes, for the bucket that holds the rank, the one
+value within :data:`ESTIMATE_ERROR` (±4.3 %) of anything the bucket can hold (:func:`histogram_quantiles`).
+Up to :data:`EXACT_QUANTILES_UP_TO` selected requests the KPIs, the stage table and TPOT are exact.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ import pyarrow as pa
 from .. import schema
 
 EXACT_QUANTILES_UP_TO = 200_000
-"""Up to this many requests under the filters, the KPI percentiles are exact (``quantile_cont`` over the
-rows: 5.5 ms for 200k rows in memory here, median of 7); above it they come from the rollup's histogram (±4 %)."""
+"""Up to this many complete requests under the filters, percentiles are exact (``quantile_cont`` over the
+rows: 5.5 ms for 200k rows in memory here, median of 7; each of their stages for the stage table, ~0.2 s);
+above it they come from the rollups' histograms (within :data:`ESTIMATE_ERROR`)."""
+_GROWTH = 2 ** (1 / schema.HIST_PER_OCTAVE)  # a bucket's high over its low
+ESTIMATE_ERROR = (_GROWTH - 1) / (_GROWTH + 1)
+"""The most a histogram's estimate is off, relative to the value at its rank: 4.3 % (buckets 2^(1/8) wide)."""
 
 
 def quantile(values: Iterable[float | None], q: float) -> float:
@@ -38,8 +42,11 @@ def quantile(values: Iterable[float | None], q: float) -> float:
 
 
 def histogram_quantiles(buckets: Iterable[tuple[int, float]], quantiles: Sequence[float]) -> list[float | None]:
-    """Quantiles of a log-bucketed histogram ((bucket, count) pairs), interpolated log-linearly
-    inside the bucket that holds each (linearly in the lowest, which starts at 0)."""
+    """Quantiles of a log-bucketed histogram ((bucket, count) pairs): for each, the bucket that holds its
+    rank, read as 2·low·high / (low + high), within :data:`ESTIMATE_ERROR` of every value in [low, high]
+    (DDSketch's estimate; the lowest bucket, which starts at 0 and holds up to ~1 µs, as its middle).
+    Interpolating inside the bucket by rank, as before, was off by up to a whole bucket (9 %) where values
+    bunch: 152 ms for a p50 of 144 ms when every request's prefill took 144 ms."""
     pairs = sorted((b, n) for b, n in buckets if n > 0)
     total = sum(n for _, n in pairs)
     if total <= 0:
@@ -52,11 +59,8 @@ def histogram_quantiles(buckets: Iterable[tuple[int, float]], quantiles: Sequenc
     for q in quantiles:
         rank = q * total
         i = min(bisect.bisect_left(cumulative, rank), len(pairs) - 1)
-        bucket, n = pairs[i]
-        before = cumulative[i] - n
-        fraction = min(1.0, max(0.0, (rank - before) / n))
-        low, high = schema.bucket_bounds(bucket)
-        out.append(low + (high - low) * fraction if low <= 0 else low * (high / low) ** fraction)
+        low, high = schema.bucket_bounds(pairs[i][0])
+        out.append(high / 2 if low <= 0 else 2 * low * high / (low + high))
     return out
 
 

@@ -4,7 +4,7 @@ demo ask, answered from a :class:`.sources.StoreSource` as Arrow tables or plain
 Over the rollups of :mod:`..schema` where a page would otherwise scan raw rows: counts, sums,
 means and shares are exact; percentiles follow :mod:`.quantiles` (exact up to
 :data:`.quantiles.EXACT_QUANTILES_UP_TO` requests where a question reads rows, the histograms'
-±4 % estimate otherwise, and each answer says which). :meth:`StoreReader.sql` takes any one SELECT
+±4.3 % estimate otherwise, and each answer says which). :meth:`StoreReader.sql` takes any one SELECT
 for users' own analysis (``kvtrace query``).
 """
 
@@ -148,12 +148,20 @@ class StoreReader:
             row_where, row_params = f.where(rollup=False)
             p50, p90, p99 = self._rows(f"""SELECT {self.dialect.quantiles('ttft_ms', (0.5, 0.9, 0.99))} AS q FROM requests
                                         WHERE {row_where} AND complete""", row_params)[0]["q"] or (None,) * 3
-        else:  # many: from the rollup's histogram, within its buckets' ±4 %
+        else:  # many: from the rollup's histogram (within ESTIMATE_ERROR)
             hist = self._table(f"""SELECT ttft_bucket, sum(requests) AS n FROM request_rollup
                                 WHERE {where} AND complete GROUP BY 1""", params)
             p50, p90, p99 = histogram_quantiles(zip(hist.column(0).to_pylist(), hist.column(1).to_pylist()),
                                                 (0.5, 0.9, 0.99))
         return {**totals, "ttft_p50_ms": p50, "ttft_p90_ms": p90, "ttft_p99_ms": p99, "quantiles_exact": exact}
+
+    def _few(self, f: Filters) -> bool:
+        """Whether the filters select at most :attr:`exact_quantiles_up_to` complete requests: their
+        percentiles are then read from the rows, exactly (:mod:`.quantiles`)."""
+        where, params = f.where(rollup=True)
+        complete = self._rows(f"SELECT coalesce(sum(requests), 0) AS n FROM request_rollup WHERE {where} AND complete",
+                              params)[0]["n"]
+        return complete <= self.exact_quantiles_up_to
 
     def unattributed_shares(self, f: Filters) -> dict[str, dict[str, float]]:
         """Per mode, the exact p50 and p90 of the share of each complete request's TTFT no span covers."""
@@ -268,7 +276,9 @@ class StoreReader:
 
     def stage_table(self, f: Filters) -> list[dict]:
         """Per mode and stage: spans, p50/p99 duration, mean critical part, how often it is on the
-        critical path, and its share of the mode's TTFT (complete traces)."""
+        critical path, and its share of the mode's TTFT (complete traces). The percentiles are exact
+        (``quantiles_exact``) up to :data:`EXACT_QUANTILES_UP_TO` complete requests, from the rollup's
+        histograms above, as :meth:`kpis`' (each stage of each request read: ~0.2 s at the bound here)."""
         where, params = f.where(rollup=True, alias="r.")
         table = self._table(f"""SELECT r.mode, k.side, k.stage, k.category, r.duration_bucket, sum(r.spans) AS n,
                                     sum(r.on_path) AS on_path, sum(r.duration_ms) AS duration_ms,
@@ -279,8 +289,16 @@ class StoreReader:
         ttft = {r["mode"]: r for r in self._rows(
             f"SELECT mode, sum(ttft_ms) AS ttft_ms, sum(requests) AS requests FROM request_rollup "
             f"WHERE {where} AND complete GROUP BY mode", params)}
-        quantiles = grouped_histogram_quantiles(table, ("mode", "side", "stage", "category"), "duration_bucket", "n",
-                                       (0.5, 0.99))
+        exact = self._few(f)
+        if exact:  # a few requests: the percentiles of their stages' own durations
+            row_where, row_params = f.where(rollup=False, alias="r.")
+            quantiles = {(r["mode"], r["side"], r["stage"], r["category"]): r["q"] for r in self._rows(
+                f"""SELECT r.mode, s.side, s.stage, s.category, {self.dialect.quantiles('s.duration_ms', (0.5, 0.99))} AS q
+                    FROM stages s JOIN requests r USING (trace_id)
+                    WHERE {row_where} AND r.complete AND s.category != 'root' GROUP BY 1, 2, 3, 4""", row_params)}
+        else:  # many: from the rollup's histograms (within ESTIMATE_ERROR)
+            quantiles = grouped_histogram_quantiles(table, ("mode", "side", "stage", "category"), "duration_bucket",
+                                                    "n", (0.5, 0.99))
         sums: dict[tuple, list[float]] = {}
         for row in table.to_pylist():
             key = (row["mode"], row["side"], row["stage"], row["category"])
@@ -295,8 +313,9 @@ class StoreReader:
                 continue
             mode_total = ttft.get(key[0], {})
             requests = mode_total.get("requests") or 0
+            p50, p99 = quantiles.get(key, (None, None))
             out.append({"mode": key[0], "side": key[1], "stage": key[2], "category": key[3], "spans": int(n),
-                        "p50_ms": quantiles[key][0], "p99_ms": quantiles[key][1], "mean_ms": duration / n,
+                        "p50_ms": p50, "p99_ms": p99, "quantiles_exact": exact, "mean_ms": duration / n,
                         "critical_per_request_ms": critical / requests if requests else None,
                         "on_path": on_path / requests if requests else None,
                         "ttft_share": critical / mode_total["ttft_ms"] if mode_total.get("ttft_ms") else None})
@@ -350,7 +369,14 @@ class StoreReader:
         table = self._table(f"""SELECT mode, tpot_bucket, sum(requests) AS n, sum(tpot_ms) AS tpot_ms,
                                     sum(engine_loop_ms) AS engine_loop_ms, sum(output_tokens) AS output_tokens
                              FROM tpot_rollup WHERE {where} AND complete GROUP BY 1, 2""", params)
-        quantiles = grouped_histogram_quantiles(table, ("mode",), "tpot_bucket", "n", (0.5, 0.9))
+        exact = self._few(f)
+        if exact:  # a few requests: their own TPOTs (the rollup's: those with one, over 0)
+            row_where, row_params = f.where(rollup=False)
+            quantiles = {(r["mode"],): r["q"] for r in self._rows(
+                f"""SELECT mode, {self.dialect.quantiles('tpot_ms', (0.5, 0.9))} AS q FROM requests
+                    WHERE {row_where} AND complete AND tpot_ms > 0 GROUP BY mode""", row_params)}
+        else:
+            quantiles = grouped_histogram_quantiles(table, ("mode",), "tpot_bucket", "n", (0.5, 0.9))
         sums: dict[str, list[float]] = {}
         for row in table.to_pylist():
             acc = sums.setdefault(row["mode"], [0, 0.0, 0.0, 0])
@@ -358,8 +384,9 @@ class StoreReader:
             acc[1] += row["tpot_ms"]
             acc[2] += row["engine_loop_ms"]
             acc[3] += row["output_tokens"]
-        return [{"mode": mode, "requests": int(n), "tpot_p50_ms": quantiles[(mode,)][0],
-                 "tpot_p90_ms": quantiles[(mode,)][1], "tpot_mean_ms": tpot / n if n else None,
+        return [{"mode": mode, "requests": int(n), "tpot_p50_ms": quantiles.get((mode,), (None, None))[0],
+                 "tpot_p90_ms": quantiles.get((mode,), (None, None))[1], "quantiles_exact": exact,
+                 "tpot_mean_ms": tpot / n if n else None,
                  "engine_loop_ms_per_request": loop / n if n else None,
                  "engine_loop_us_per_token": loop * 1e3 / tokens if tokens else None}
                 for mode, (n, tpot, loop, tokens) in sorted(sums.items()) if n > 0]

@@ -11,12 +11,15 @@ f, options = ui.page("Decode smoothness",
 rows = data.decode_smoothness(f)
 cols = st.columns(max(1, len(rows)))
 for col, row in zip(cols, rows):
-    col.metric(f"{row['mode']} TPOT p50", ui.ms(row["tpot_p50_ms"], 2))
-    col.caption(f"p90 {ui.ms(row['tpot_p90_ms'], 2)} · connector on the loop "
+    exact = row["quantiles_exact"]
+    col.metric(f"{row['mode']} TPOT p50", ui.ms_short(row["tpot_p50_ms"], not exact),
+               help=f"{'' if exact else '≈ '}{ui.ms(row['tpot_p50_ms'], 2)}")
+    col.caption(f"p90 {ui.ms_short(row['tpot_p90_ms'], not exact)} · connector on the loop "
                 f"{ui.ms(row['engine_loop_ms_per_request'], 3)} per request, "
                 f"{row['engine_loop_us_per_token'] or 0:.1f} µs per output token")
 ui.side_by_side(("Time per output token", charts.tpot_bars(rows), "tpot"),
                 ("Connector time on the loop against TPOT, per request",
                  charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), "loop_tpot"))
-st.caption("TPOT as the router saw it: (last token − first token) / (output tokens − 1). Engine-loop time: the "
+st.caption("TPOT as the router saw it: (last token − first token) / (output tokens − 1), "
+           f"{ui.percentiles_note(all(r['quantiles_exact'] for r in rows))}. Engine-loop time: the "
            "connector's calls on D's loop attributed to the request (pull's descriptor prep and READ post).")

@@ -15,7 +15,7 @@ def kpi_strip() -> None:
     k = data.kpis(live)
     # two rows of four: seven KPIs in one row are cut off in a laptop's window
     top, bottom = st.columns(4), st.columns(4)
-    rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±4 % supports
+    rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±4.3 % supports
     for col, q in zip(top, ("p50", "p90", "p99")):
         value = k[f"ttft_{q}_ms"]
         col.metric(f"TTFT {q}", ui.ms_short(value, rough), help=f"{'≈ ' if rough else ''}{ui.ms(value)}")
@@ -25,8 +25,7 @@ def kpi_strip() -> None:
     bottom[1].metric("Incomplete", ui.count(k["incomplete"]), help="Traces missing a stage; see Health.")
     bottom[2].metric("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")
     st.caption(f"{ui.window_caption(live, ui.store_options())} · live, every {data.settings().refresh_s:g} s · "
-               + ("percentiles exact" if k["quantiles_exact"] else
-                  f"percentiles from log-bucketed histograms (±4 %: over {ui.count(data.reader().exact_quantiles_up_to)} requests)"))
+               + ui.percentiles_note(k["quantiles_exact"]))
 
 
 kpi_strip()

@@ -2,6 +2,7 @@
 read through a running collector's query endpoint and from the stopped file alike."""
 
 import json
+import math
 import statistics
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from kvtrace.collectors import schema
 from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.query_service import QueryRefused, endpoint_file
 from kvtrace.collectors.read import PART_COLUMNS, Filters, StoreReader, StoreUnavailable, open_store
-from kvtrace.collectors.read.quantiles import histogram_quantiles
+from kvtrace.collectors.read.quantiles import ESTIMATE_ERROR, histogram_quantiles
 from tests.collectors.traces import MS, build, store_of
 from tests.helpers import wait_until
 
@@ -185,16 +186,25 @@ def test_a_store_from_another_schema_is_named_not_read(tmp_path):
         open_store(tmp_path / "missing.duckdb").kpis(Filters())
 
 
-def test_histogram_quantiles_interpolate_inside_a_bucket():
-    values = [1.0 + i * 0.01 for i in range(1000)]  # 1 to 11 ms, uniform
+@pytest.mark.parametrize("values", [
+    [1.0 + i * 0.01 for i in range(1000)],  # 1 to 11 ms, uniform
+    [144.0] * 999 + [150.0],  # bunched: every prefill took the same time
+    [2 ** (b / schema.HIST_PER_OCTAVE) * 1.0001 for b in range(40)],  # each at its bucket's low edge
+    [2 ** ((b + 1) / schema.HIST_PER_OCTAVE) * 0.9999 for b in range(40)],  # each at its high edge
+])
+def test_a_histogram_estimate_is_within_its_stated_error_of_the_value_at_its_rank(values):
+    """Wherever in its bucket the value at the rank lies, the estimate is within ESTIMATE_ERROR (±4.3 %),
+    what the pages state; interpolating inside the bucket by rank was off by up to a whole bucket."""
     buckets: dict[int, int] = {}
     for v in values:
         b = schema.bucket_of(v)
         buckets[b] = buckets.get(b, 0) + 1
-    p50, p99 = histogram_quantiles(buckets.items(), (0.5, 0.99))
-    half_bucket = (2 ** (1 / schema.HIST_PER_OCTAVE) - 1) / 2  # the ±4 % the pages state
-    assert p50 == pytest.approx(statistics.median(values), rel=half_bucket)
-    assert p99 == pytest.approx(sorted(values)[989], rel=half_bucket)
+    ordered = sorted(values)
+    qs = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
+    for q, estimate in zip(qs, histogram_quantiles(buckets.items(), qs)):
+        at_rank = ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # the value the rank q·n falls on
+        assert abs(estimate / at_rank - 1) <= ESTIMATE_ERROR, (q, estimate, at_rank)
+    assert ESTIMATE_ERROR == pytest.approx(0.0433, abs=1e-4)
     assert histogram_quantiles([], (0.5,)) == [None]
 
 
@@ -235,6 +245,50 @@ def test_kpi_percentiles_are_exact_for_small_selections_and_estimates_above_the_
     assert not estimated["quantiles_exact"]
     for q in ("p50", "p90", "p99"):
         assert abs(estimated[f"ttft_{q}_ms"] / reader.kpis(Filters())[f"ttft_{q}_ms"] - 1) <= 0.04
+
+
+def test_stage_percentiles_are_exact_for_small_selections_and_estimates_above_the_bound(make_collector):
+    """The stage table's p50/p99 durations follow the KPIs' rule: each stage's own durations under the filters
+    up to the bound (the demo's 24 requests printed bucket values to 0.01 ms before), the histograms above."""
+    collector = make_collector()
+    builts = [build(mode, at_ms=i * 37.0, late_rank_ms=3.0 * i, d_queue_ms=1.7 * i)
+              for i, mode in enumerate(["push", "pull"] * 6)]
+    _feed(collector, builts)
+    reader = open_store(collector.config.db_path)
+    for f in (Filters(), Filters(modes=("push",))):
+        where, params = f.where(rollup=False, alias="r.")
+        exact = {(r["mode"], r["side"], r["stage"]): r["q"] for r in reader.sql(
+            f"SELECT r.mode, s.side, s.stage, quantile_cont(s.duration_ms, [0.5, 0.99]) AS q FROM stages s "
+            f"JOIN requests r USING (trace_id) WHERE {where} AND r.complete AND s.category != 'root' GROUP BY ALL",
+            params).to_pylist()}
+        rows = reader.stage_table(f)
+        assert rows and all(r["quantiles_exact"] for r in rows)
+        assert {(r["mode"], r["side"], r["stage"]): [r["p50_ms"], r["p99_ms"]] for r in rows} == exact
+    exact = {(r["mode"], r["side"], r["stage"]): r for r in reader.stage_table(Filters())}
+    estimated = {(r["mode"], r["side"], r["stage"]): r for r in
+                 StoreReader(reader.source, exact_quantiles_up_to=5).stage_table(Filters())}  # 12 complete > 5
+    assert estimated.keys() == exact.keys() and not any(r["quantiles_exact"] for r in estimated.values())
+    # P's prefill takes the same time in every request: the histogram's estimate is within its stated error
+    prefill = ("push", "prefill", "prefill")
+    for q in ("p50_ms", "p99_ms"):
+        assert estimated[prefill][q] != exact[prefill][q]
+        assert abs(estimated[prefill][q] / exact[prefill][q] - 1) <= ESTIMATE_ERROR
+
+
+def test_tpot_percentiles_are_exact_for_small_selections(make_collector):
+    """The Decode page's TPOT p50/p90 follow the same rule: the requests' own TPOTs up to the bound."""
+    collector = make_collector()
+    _feed(collector, [build(mode, at_ms=i * 37.0, output_tokens=2 + 3 * i) for i, mode in enumerate(["push", "pull"] * 6)])
+    reader = open_store(collector.config.db_path)
+    exact = {r["mode"]: r["q"] for r in reader.sql(
+        "SELECT mode, quantile_cont(tpot_ms, [0.5, 0.9]) AS q FROM requests WHERE complete AND tpot_ms > 0 "
+        "GROUP BY mode").to_pylist()}
+    rows = reader.decode_smoothness(Filters())
+    assert len(exact) == 2 and all(r["quantiles_exact"] for r in rows)
+    assert {r["mode"]: [r["tpot_p50_ms"], r["tpot_p90_ms"]] for r in rows} == exact
+    estimated = StoreReader(reader.source, exact_quantiles_up_to=5).decode_smoothness(Filters())
+    assert [r["mode"] for r in estimated] == [r["mode"] for r in rows]
+    assert not any(r["quantiles_exact"] for r in estimated)
 
 
 def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):

@@ -47,7 +47,7 @@ def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str,
 def build(mode: str = "push", order: str = "registration_first", skew_ms: dict | None = None,
           drop: set[str] = frozenset(), fail: str | None = None, request_id: str = "cmpl-x-0",
           hosts: str = "0", router: str | None = None, at_ms: float = 0.0, late_rank_ms: float = 0.0,
-          contract: int | None = None, d_queue_ms: float = 1.0) -> Built:
+          contract: int | None = None, d_queue_ms: float = 1.0, output_tokens: int = 0) -> Built:
     """One request. ``drop`` removes services ("router", "prefill", "decode") or stages
     ("decode:completion"); ``fail`` marks a stage (e.g. "write") as failed; ``router`` names the
     router's instance (default ``router-<hosts>``); ``at_ms`` moves the request later in time.
@@ -55,7 +55,8 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
     whose transfer ends that much later — the KV cache has landed, and D's completion starts, only
     then. ``contract=1``: senders of the first contract (no ``engine.input``, ``kv.read_wait`` or
     router legs, no version attribute). ``d_queue_ms``: how long the request waits in D's queue
-    before its first decode step (a queue-bound trace)."""
+    before its first decode step (a queue-bound trace). ``output_tokens``: the router saw that many, the last
+    as its span ends (TPOT: the 40 ms after the first token over the tokens after the first)."""
     skew = skew_ms or {}
     m = Mode(mode)
     rec = {
@@ -141,7 +142,9 @@ def build(mode: str = "push", order: str = "registration_first", skew_ms: dict |
     put("decode", Stage.FIRST_TOKEN, d_ready + 3, d_ready + 10)
     ttft_ms = d_ready + 11
     put("router", Stage.DECODE_LEG, 1.5 if mode == "push" else 152.5, ttft_ms)
-    put("router", Stage.PD_REQUEST, 0, ttft_ms + 40, {"kvtrace.router.ttft_ns": int(ttft_ms * MS)},
+    tokens = {semconv.ATTR_ROUTER_LAST_TOKEN_NS: int((ttft_ms + 40) * MS),
+              semconv.ATTR_OUTPUT_TOKENS: output_tokens} if output_tokens else {}
+    put("router", Stage.PD_REQUEST, 0, ttft_ms + 40, {"kvtrace.router.ttft_ns": int(ttft_ms * MS), **tokens},
         span_id=root_id, parent=TraceRef(trace_id, 0))
     if late_rank_ms and "wire" in expected:
         expected["wire"] += late_rank_ms  # the path runs through the last rank's transfer

@@ -365,9 +365,42 @@ def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_p
     monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
     db = store_of(tmp_path / "more.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
     at = _app(monkeypatch, db)
-    assert any("log-bucketed histograms (±4 %: over 3 requests)" in c.value for c in at.caption)
+    assert any("log-bucketed histograms (±4.3 %: over 3 requests), to two digits" in c.value for c in at.caption)
     estimate = open_store(db).kpis(Filters())["ttft_p50_ms"]
-    assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±4 % supports
+    assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±4.3 % supports
+
+
+def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch, tmp_path):
+    """The stage table's durations and the Decode page's TPOT follow the Overview's rule: exact from the rows
+    for a few requests; above the bound the histograms' estimate, said so, to the two digits it supports."""
+    from kvtrace.collectors.read import reader as reader_module
+
+    builts = [build(mode, late_rank_ms=float(i), d_queue_ms=1.3 * i, output_tokens=3 + i)
+              for i, mode in enumerate(["push", "pull"] * 3)]
+    db = store_of(tmp_path / "few.duckdb", builts)
+    exact = {(r["mode"], r["stage"]): r["p50_ms"] for r in open_store(db).stage_table(Filters())}
+    at = _app(monkeypatch, db, "stages")
+    table = at.dataframe[0].value
+    assert {(r["mode"], r["stage"]): r["p50 (ms)"] for r in table.to_dict("records")} == exact
+    assert any("Durations: percentiles exact" in c.value for c in at.caption)
+    at = _app(monkeypatch, db, "decode")
+    assert any("percentiles exact" in c.value for c in at.caption)
+    tpot = {r["mode"]: r["tpot_p50_ms"] for r in open_store(db).decode_smoothness(Filters())}
+    assert _metrics(at)["push TPOT p50"] == ms_short(tpot["push"])
+
+    monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
+    db = store_of(tmp_path / "many.duckdb", builts)
+    estimates = {(r["mode"], r["stage"]): r["p50_ms"] for r in open_store(db).stage_table(Filters())}
+    at = _app(monkeypatch, db, "stages")
+    shown = {(r["mode"], r["stage"]): r["p50 (ms)"] for r in at.dataframe[0].value.to_dict("records")}
+    assert any("Durations: percentiles from log-bucketed histograms (±4.3 %: over 3 requests), to two digits" in c.value
+               for c in at.caption)
+    prefill = ("push", "prefill")  # ~146 ms in the histogram: 150 to two digits
+    assert shown[prefill] == float(f"{estimates[prefill]:.2g}") and shown[prefill] != estimates[prefill]
+    at = _app(monkeypatch, db, "decode")
+    assert any("percentiles from log-bucketed histograms" in c.value for c in at.caption)
+    tpot = {r["mode"]: r["tpot_p50_ms"] for r in open_store(db).decode_smoothness(Filters())}
+    assert _metrics(at)["push TPOT p50"] == ms_short(tpot["push"], approximate=True)
 
 
 def test_health_shows_each_fleet_collector_and_warns_of_unkeyed_messages(monkeypatch, tmp_path):
