@@ -64,6 +64,14 @@ class Dialect:
     def json_string(self, column: str, path: str) -> str:
         return f"json_extract_string({column}, '$.{path}')"
 
+    def stage_durations(self, where: str) -> str:
+        """A FROM clause: one row (``mode``, ``stage_key``, ``duration_ms``) per stage of each request matching
+        ``where``, the requests filtered before their stage lists are unnested (the ``stages`` view unnests every
+        request first: 2.5 s against ~0.1 s for 125k of a million requests)."""
+        return f"""(SELECT mode, unnest(stage_ids) AS stage_key,
+                           (unnest(stage_end_ns) - unnest(stage_start_ns)) / 1e6 AS duration_ms
+                    FROM requests WHERE {where})"""
+
 
 DUCKDB = Dialect()
 
@@ -363,6 +371,11 @@ class ClickHouseDialect(Dialect):
 
     def json_string(self, column: str, path: str) -> str:
         return f"JSONExtractString({column}, '{path}')"
+
+    def stage_durations(self, where: str) -> str:
+        return f"""(SELECT mode, stage_key, (end_ns - start_ns) / 1e6 AS duration_ms FROM requests
+                    ARRAY JOIN stage_ids AS stage_key, stage_start_ns AS start_ns, stage_end_ns AS end_ns
+                    WHERE {where})"""
 
 
 CLICKHOUSE = ClickHouseDialect()
