@@ -15,8 +15,8 @@ the collector is quiet after the first load to the moment it is quiet again (eve
 every trace decided), read from /proc: a collector that has been running, as in production. Under
 its first load a fresh collector grows its memory to its working size (~300 MB: DuckDB's table
 data until its next checkpoint, the allocators' pools): ~0.4 minor page faults a span, each a page
-the kernel maps and zeroes, 1.4-2.2 µs of system CPU a span against 0.6-0.7 µs once grown (three
-rounds, 2026-12-05). So the first load's figure is printed beside it (the figure this bench called
+the kernel maps and zeroes, 1.4-2.2 µs of system CPU a span against 0.6-0.8 µs once grown (two
+runs of three rounds, 2026-12-05). So the first load's figure is printed beside it (the figure this bench called
 steady state until then), with the faults and system CPU per span of each. The whole-run figure
 adds start-up and shutdown. Rounds alternate kvtrace and
 rotel, and medians are printed, because this shared machine's speed drifts between runs.
