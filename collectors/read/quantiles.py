@@ -8,7 +8,8 @@ use it, so a p99 on one page is the same kind of number as a p99 on another.
 Estimated: over many requests the reader reads the rollups' log-bucketed histograms
 (``schema.HIST_PER_OCTAVE`` buckets per doubling) and takes, for the bucket that holds the rank, the one
 value within :data:`ESTIMATE_ERROR` (±4.3 %) of anything the bucket can hold (:func:`histogram_quantiles`).
-Up to :data:`EXACT_QUANTILES_UP_TO` selected requests the KPIs, the stage table and TPOT are exact.
+Up to :data:`EXACT_QUANTILES_UP_TO` selected requests the KPIs, TTFT over time, the stage table and TPOT
+are exact.
 """
 
 from __future__ import annotations

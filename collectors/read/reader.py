@@ -210,8 +210,16 @@ class StoreReader:
         return out
 
     def ttft_over_time(self, f: Filters, points: int = 120) -> list[dict]:
-        """Per time step (about ``points`` of them over the filtered span) and mode: requests and TTFT p50/p99."""
+        """Per time step (about ``points`` of them over the filtered span) and mode: requests and TTFT p50/p99,
+        exact (``quantiles_exact``) up to :data:`EXACT_QUANTILES_UP_TO` complete requests as :meth:`kpis`'."""
         step = self._step_seconds(f, points)
+        if self._few(f):  # each step's own requests (a step holds whole minutes: the rollup's periods)
+            row_where, row_params = f.where(rollup=False)
+            return [{"period": r["period"], "mode": r["mode"], "requests": r["n"], "p50_ms": r["q"][0],
+                     "p99_ms": r["q"][1], "quantiles_exact": True} for r in self._rows(
+                f"""SELECT {self._bucket('started_at', step)} AS period, mode, count(*) AS n,
+                           {self.dialect.quantiles('ttft_ms', (0.5, 0.99))} AS q
+                    FROM requests WHERE {row_where} AND complete GROUP BY 1, 2 ORDER BY 1, 2""", row_params)]
         where, params = f.where(rollup=True)
         table = self._table(f"""SELECT {self._bucket('minute', step)} AS period, mode, ttft_bucket,
                                     sum(requests) AS n
@@ -220,8 +228,8 @@ class StoreReader:
         for period, mode, n in zip(*(table.column(c).to_pylist() for c in ("period", "mode", "n"))):
             counts[period, mode] = counts.get((period, mode), 0) + n
         quantiles = grouped_histogram_quantiles(table, ("period", "mode"), "ttft_bucket", "n", (0.5, 0.99))
-        return [{"period": period, "mode": mode, "requests": counts[period, mode], "p50_ms": q[0], "p99_ms": q[1]}
-                for (period, mode), q in sorted(quantiles.items())]
+        return [{"period": period, "mode": mode, "requests": counts[period, mode], "p50_ms": q[0], "p99_ms": q[1],
+                 "quantiles_exact": False} for (period, mode), q in sorted(quantiles.items())]
 
     def _step_seconds(self, f: Filters, points: int) -> int:
         if f.since is not None and f.until is not None:

@@ -291,6 +291,25 @@ def test_tpot_percentiles_are_exact_for_small_selections(make_collector):
     assert not any(r["quantiles_exact"] for r in estimated)
 
 
+def test_ttft_over_time_is_exact_for_small_selections_with_the_rollups_periods(make_collector):
+    """The Overview's TTFT p50/p99 over time: each step's own requests up to the bound, in the same steps and with
+    the same counts as the rollup's histogram answer above it."""
+    collector = make_collector()
+    _feed(collector, [build(mode, at_ms=i * 7_000.0, late_rank_ms=3.0 * i) for i, mode in enumerate(["push", "pull"] * 6)])
+    reader = open_store(collector.config.db_path)
+    rows = reader.ttft_over_time(Filters())
+    assert rows and all(r["quantiles_exact"] for r in rows)
+    step = reader._step_seconds(Filters(), 60)
+    exact = {(r["period"], r["mode"]): r["q"] for r in reader.sql(
+        f"SELECT to_timestamp(floor(epoch(started_at) / {step}) * {step}) AS period, mode, "
+        "quantile_cont(ttft_ms, [0.5, 0.99]) AS q FROM requests WHERE complete GROUP BY ALL").to_pylist()}
+    assert {(r["period"], r["mode"]): [r["p50_ms"], r["p99_ms"]] for r in rows} == exact
+    estimated = StoreReader(reader.source, exact_quantiles_up_to=5).ttft_over_time(Filters())
+    assert not any(r["quantiles_exact"] for r in estimated)
+    assert [(r["period"], r["mode"], r["requests"]) for r in estimated] == [
+        (r["period"], r["mode"], r["requests"]) for r in rows]
+
+
 def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):
     """A schema-6 file (before ttft_reference, explanation, and the Kafka and dropped-decision health
     columns) is migrated, one version at a time, when a collector opens it: its rows are kept, read as
