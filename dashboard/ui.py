@@ -263,19 +263,28 @@ def difference_line(push: dict[str, Any], pull: dict[str, Any]) -> str:
             + " · ".join(f"{part} {signed(difference)}" for difference, part in parts))
 
 
+ESTIMATE_DIGITS = 2
+"""Significant digits a histogram's estimate is shown to: what its ±4.3 % supports."""
+
+
+def significant(value: float, digits: int) -> float:
+    """``value`` rounded to ``digits`` significant digits (not 0)."""
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
 def ms_short(value: float | None, approximate: bool = False) -> str:
     """A duration in at most three significant digits and seven characters (a KPI's column is narrow):
     4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±4.3 %):
     4.2 ms, 88 ms, 410 ms, 1.2 s."""
     if value is None:
         return "–"
-    digits = 2 if approximate else 3
+    digits = ESTIMATE_DIGITS if approximate else 3
     unit, scaled = ("s", value / 1_000) if value >= 1_000 else ("ms", value)
     if scaled >= 1_000:
         return f"{scaled:,.0f} {unit}"
     if scaled < 1:
         return f"{scaled:.2f} {unit}"
-    rounded = round(scaled, digits - 1 - math.floor(math.log10(scaled)))
+    rounded = significant(scaled, digits)
     if unit == "ms" and rounded >= 1_000:  # 999.96 ms rounds up into seconds
         return ms_short(1_000.0, approximate)
     return f"{rounded:.{max(0, digits - 1 - math.floor(math.log10(rounded)))}f} {unit}"
@@ -290,11 +299,11 @@ def percentiles_note(exact: bool) -> str:
 
 
 def rough(value: float | None, exact: bool) -> float | None:
-    """A percentile as a table shows it: as measured, or a histogram's estimate to the two digits its ±4.3 %
-    supports (43.34 -> 43, 0.2234 -> 0.22, 1,234 -> 1,200)."""
+    """A percentile as a table shows it: as measured, or a histogram's estimate to :data:`ESTIMATE_DIGITS`
+    (43.34 -> 43, 0.2234 -> 0.22, 1,234 -> 1,200)."""
     if exact or not value:
         return value
-    return round(value, 1 - math.floor(math.log10(abs(value))))
+    return significant(value, ESTIMATE_DIGITS)
 
 
 def pct(value: float | None, digits: int = 1) -> str:
