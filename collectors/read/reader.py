@@ -142,8 +142,7 @@ class StoreReader:
                    sum(coordination_ms) FILTER (WHERE complete) / sum(ttft_ms) FILTER (WHERE complete)
                        AS coordination_share
             FROM request_rollup WHERE {where}""", params)[0]
-        complete = totals["requests"] - totals["incomplete"]
-        exact = complete <= self.exact_quantiles_up_to
+        exact = self._few(f, complete=totals["requests"] - totals["incomplete"])
         if exact:  # a few rows: the exact percentiles, from the rows themselves
             row_where, row_params = f.where(rollup=False)
             p50, p90, p99 = self._rows(f"""SELECT {self.dialect.quantiles('ttft_ms', (0.5, 0.9, 0.99))} AS q FROM requests
@@ -155,12 +154,14 @@ class StoreReader:
                                                 (0.5, 0.9, 0.99))
         return {**totals, "ttft_p50_ms": p50, "ttft_p90_ms": p90, "ttft_p99_ms": p99, "quantiles_exact": exact}
 
-    def _few(self, f: Filters) -> bool:
-        """Whether the filters select at most :attr:`exact_quantiles_up_to` complete requests: their
-        percentiles are then read from the rows, exactly (:mod:`.quantiles`)."""
-        where, params = f.where(rollup=True)
-        complete = self._rows(f"SELECT coalesce(sum(requests), 0) AS n FROM request_rollup WHERE {where} AND complete",
-                              params)[0]["n"]
+    def _few(self, f: Filters, complete: int | None = None) -> bool:
+        """Whether the filters select at most :attr:`exact_quantiles_up_to` complete requests (``complete``:
+        their count, where the caller has it already): their percentiles are then read from the rows, exactly
+        (:mod:`.quantiles`)."""
+        if complete is None:
+            where, params = f.where(rollup=True)
+            complete = self._rows(f"SELECT coalesce(sum(requests), 0) AS n FROM request_rollup "
+                                  f"WHERE {where} AND complete", params)[0]["n"]
         return complete <= self.exact_quantiles_up_to
 
     def unattributed_shares(self, f: Filters) -> dict[str, dict[str, float]]:
@@ -297,7 +298,7 @@ class StoreReader:
         ttft = {r["mode"]: r for r in self._rows(
             f"SELECT mode, sum(ttft_ms) AS ttft_ms, sum(requests) AS requests FROM request_rollup "
             f"WHERE {where} AND complete GROUP BY mode", params)}
-        exact = self._few(f)
+        exact = self._few(f, complete=sum(mode_total["requests"] or 0 for mode_total in ttft.values()))
         if exact:  # a few requests: the percentiles of their stages' own durations
             row_where, row_params = f.where(rollup=False)
             quantiles = {(r["mode"], r["side"], r["stage"], r["category"]): r["q"] for r in self._rows(
