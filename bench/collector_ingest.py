@@ -16,10 +16,10 @@ every trace decided), read from /proc: a collector that has been running, as in 
 its first load a fresh collector grows its memory to its working size (~300 MB: DuckDB's table
 data until its next checkpoint, the allocators' pools): ~0.4 minor page faults a span, each a page
 the kernel maps and zeroes, 1.4-2.2 µs of system CPU a span against 0.6-0.8 µs once grown (two
-runs of three rounds, 2026-12-05). So the first load's figure is printed beside it (the figure this bench called
-steady state until then), with the faults and system CPU per span of each. The whole-run figure
-adds start-up and shutdown. Rounds alternate kvtrace and
-rotel, and medians are printed, because this shared machine's speed drifts between runs.
+runs of three rounds, 2026-12-05). So the first load's figure is printed beside it (the figure this
+bench called steady state until then), with the faults and system CPU per span of each. The
+whole-run figure adds start-up and shutdown. Rounds alternate kvtrace and rotel, and medians are
+printed, because this shared machine's speed drifts between runs.
 
 With ``--forward``, each round also runs kvtrace's collector forwarding to a rotel (pinned to
 the sender's core, exporting to its blackhole): once the spans as received only ("tee"), once
@@ -350,8 +350,8 @@ def main() -> int:
 
     for number, row in enumerate(rounds, 1):
         print(line(str(number), row))
-    median = {name: {key: statistics.median(row[name][key] for row in rounds)
-                     for key in ("steady", "first", "whole", "first_faults", "load_faults", "first_system", "load_system")} for name in configs}
+    median = {name: {key: statistics.median(row[name][key] for row in rounds) for key in (
+        "steady", "first", "whole", "first_faults", "load_faults", "first_system", "load_system")} for name in configs}
     print(line("median", median))
     print("medians: whole run (start-up, the three loads, shutdown) in spans per CPU-second; per span, first load -> "
           "steady: minor page faults, and system CPU (µs)")
