@@ -281,6 +281,8 @@ SHARDING_KEYS = {
 MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
     # 9 -> 10: breakdowns the store could not take and dropped, in the health rows (schema.MIGRATIONS)
     9: (("collector_health", "ADD COLUMN IF NOT EXISTS dropped_decisions Int64 DEFAULT 0"),),
+    # 10 -> 11: finer histogram buckets (schema.HIST_PER_OCTAVE); the rollups are views, created anew on open
+    10: (),
 }
 """From a schema version to the next: ``(table, ALTER clause)`` pairs, idempotent (``IF NOT EXISTS``) so that
 a migration cut short is run again whole."""

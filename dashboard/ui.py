@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
-from kvtrace.collectors.read import ESTIMATE_ERROR, PART_COLUMNS, PARTS, Filters, StoreUnavailable, length_label
+from kvtrace.collectors.read import ESTIMATE_ERROR_TEXT, PART_COLUMNS, PARTS, Filters, StoreUnavailable, length_label
 from kvtrace.telemetry import semconv
 
 from . import charts, data
@@ -264,7 +264,7 @@ def difference_line(push: dict[str, Any], pull: dict[str, Any]) -> str:
 
 
 ESTIMATE_DIGITS = 2
-"""Significant digits a histogram's estimate is shown to: what its ±4.3 % supports."""
+"""Significant digits a histogram's estimate is shown to: what its ±3.9 % supports."""
 
 
 def significant(value: float, digits: int) -> float:
@@ -274,7 +274,7 @@ def significant(value: float, digits: int) -> float:
 
 def ms_short(value: float | None, approximate: bool = False) -> str:
     """A duration in at most three significant digits and seven characters (a KPI's column is narrow):
-    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±4.3 %):
+    4.21 ms, 87.7 ms, 410 ms, 1.25 s, 12.5 s; two digits where it is a histogram's estimate (±3.9 %):
     4.2 ms, 88 ms, 410 ms, 1.2 s."""
     if value is None:
         return "–"
@@ -294,7 +294,7 @@ def percentiles_note(exact: bool) -> str:
     """What a page's percentiles are, for its caption: exact (from the rows), or the histograms' estimate."""
     if exact:
         return "percentiles exact"
-    return (f"percentiles from log-bucketed histograms (±{ESTIMATE_ERROR * 100:.1f} %: over "
+    return (f"percentiles from log-bucketed histograms ({ESTIMATE_ERROR_TEXT}: over "
             f"{count(data.reader().exact_quantiles_up_to)} requests), to two digits")
 
 

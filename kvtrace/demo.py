@@ -92,7 +92,7 @@ def run(modes: list[str], requests: int, max_tokens: int, db: Path, dashboard: b
 
 def _report(store, f, modes: list[str]) -> None:
     """Per mode, TTFT percentiles and the critical-path split, then each stage's median and critical part."""
-    from kvtrace.collectors.read import ESTIMATE_ERROR, PART_COLUMNS
+    from kvtrace.collectors.read import ESTIMATE_ERROR_TEXT, PART_COLUMNS
 
     kpis = {mode: store.kpis(dataclasses.replace(f, modes=(mode,))) for mode in modes}
     rows = [{"mode": r["mode"], "requests": r["requests"], **{k: kpis[r["mode"]][k] for k in (
@@ -108,7 +108,7 @@ def _report(store, f, modes: list[str]) -> None:
         f"{mode} p50 {shares[mode]['p50']:.1%}, p90 {shares[mode]['p90']:.1%}" for mode in modes if mode in shares))
     stages = store.stage_table(f)
     measured = ("exact" if all(r["quantiles_exact"] for r in stages) else
-                f"histogram estimate, ±{ESTIMATE_ERROR * 100:.1f} %")
+                f"histogram estimate, {ESTIMATE_ERROR_TEXT}")
     for mode in modes:
         print(f"\n{mode}: each stage, median duration ({measured}) and its mean time on the critical path (ms)")
         print(_table([r for r in stages if r["mode"] == mode], [

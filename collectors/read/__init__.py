@@ -18,10 +18,10 @@ The pipeline (the rest of :mod:`kvtrace.collectors`) never imports this package.
 from ..schema import PART_COLUMNS, PARTS
 
 from .filters import Filters, length_label
-from .quantiles import ESTIMATE_ERROR, EXACT_QUANTILES_UP_TO
+from .quantiles import ESTIMATE_ERROR, ESTIMATE_ERROR_TEXT, EXACT_QUANTILES_UP_TO
 from .reader import StoreReader, is_trace_id, open_store
 from .runs import RunNotFound, point_label
 from .sources import StoreUnavailable
 
-__all__ = ["ESTIMATE_ERROR", "EXACT_QUANTILES_UP_TO", "PARTS", "PART_COLUMNS", "Filters", "RunNotFound", "StoreReader",
-           "StoreUnavailable", "is_trace_id", "length_label", "open_store", "point_label"]
+__all__ = ["ESTIMATE_ERROR", "ESTIMATE_ERROR_TEXT", "EXACT_QUANTILES_UP_TO", "PARTS", "PART_COLUMNS", "Filters",
+           "RunNotFound", "StoreReader", "StoreUnavailable", "is_trace_id", "length_label", "open_store", "point_label"]

@@ -4,7 +4,7 @@ demo ask, answered from a :class:`.sources.StoreSource` as Arrow tables or plain
 Over the rollups of :mod:`..schema` where a page would otherwise scan raw rows: counts, sums,
 means and shares are exact; percentiles follow :mod:`.quantiles` (exact up to
 :data:`.quantiles.EXACT_QUANTILES_UP_TO` requests where a question reads rows, the histograms'
-±4.3 % estimate otherwise, and each answer says which). :meth:`StoreReader.sql` takes any one SELECT
+±3.9 % estimate otherwise, and each answer says which). :meth:`StoreReader.sql` takes any one SELECT
 for users' own analysis (``kvtrace query``).
 """
 

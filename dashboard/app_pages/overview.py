@@ -15,7 +15,7 @@ def kpi_strip() -> None:
     k = data.kpis(live)
     # two rows of four: seven KPIs in one row are cut off in a laptop's window
     top, bottom = st.columns(4), st.columns(4)
-    rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±4.3 % supports
+    rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±3.9 % supports
     for col, q in zip(top, ("p50", "p90", "p99")):
         value = k[f"ttft_{q}_ms"]
         col.metric(f"TTFT {q}", ui.ms_short(value, rough), help=f"{'≈ ' if rough else ''}{ui.ms(value)}")

@@ -1,6 +1,7 @@
 """The store's read side: the reader's answers on stores the collector builds from contract traces,
 read through a running collector's query endpoint and from the stopped file alike."""
 
+import collections
 import json
 import math
 import statistics
@@ -15,7 +16,8 @@ from kvtrace.collectors import schema
 from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.query_service import QueryRefused, endpoint_file
 from kvtrace.collectors.read import PART_COLUMNS, Filters, StoreReader, StoreUnavailable, open_store
-from kvtrace.collectors.read.quantiles import ESTIMATE_ERROR, histogram_quantiles
+from kvtrace.collectors.read.quantiles import ESTIMATE_ERROR, ESTIMATE_ERROR_TEXT, histogram_quantiles
+from kvtrace.collectors.store import Store
 from tests.collectors.traces import MS, build, store_of
 from tests.helpers import wait_until
 
@@ -193,8 +195,9 @@ def test_a_store_from_another_schema_is_named_not_read(tmp_path):
     [2 ** ((b + 1) / schema.HIST_PER_OCTAVE) * 0.9999 for b in range(40)],  # each at its high edge
 ])
 def test_a_histogram_estimate_is_within_its_stated_error_of_the_value_at_its_rank(values):
-    """Wherever in its bucket the value at the rank lies, the estimate is within ESTIMATE_ERROR (±4.3 %),
-    what the pages state; interpolating inside the bucket by rank was off by up to a whole bucket."""
+    """Wherever in its bucket the value at the rank lies, the estimate is within ESTIMATE_ERROR, what the
+    pages state, and that is within the ±4 % asked of it (8 buckets per doubling gave 4.3 %); interpolating
+    inside the bucket by rank was off by up to a whole bucket."""
     buckets: dict[int, int] = {}
     for v in values:
         b = schema.bucket_of(v)
@@ -203,8 +206,9 @@ def test_a_histogram_estimate_is_within_its_stated_error_of_the_value_at_its_ran
     qs = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
     for q, estimate in zip(qs, histogram_quantiles(buckets.items(), qs)):
         at_rank = ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # the value the rank q·n falls on
-        assert abs(estimate / at_rank - 1) <= ESTIMATE_ERROR, (q, estimate, at_rank)
-    assert ESTIMATE_ERROR == pytest.approx(0.0433, abs=1e-4)
+        assert abs(estimate / at_rank - 1) <= ESTIMATE_ERROR * (1 + 1e-9), (q, estimate, at_rank)  # 1.0: a low edge
+    assert ESTIMATE_ERROR == pytest.approx(0.0385, abs=1e-4) and ESTIMATE_ERROR < 0.04
+    assert ESTIMATE_ERROR_TEXT == "±3.9 %"  # as stated: rounded up, not to the nearer ±3.8 %
     assert histogram_quantiles([], (0.5,)) == [None]
 
 
@@ -338,3 +342,37 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     health = open_store(path).sql("SELECT kafka_partitions, kafka_lag, dropped_decisions FROM collector_health"
                                   ).to_pylist()
     assert health and all(r == {"kafka_partitions": 0, "kafka_lag": 0, "dropped_decisions": 0} for r in health)
+
+
+def test_a_store_of_the_coarser_buckets_has_its_rollups_rebuilt_from_its_requests(tmp_path):
+    """Schema 11 cut each doubling into 9 buckets (8 before): opening a schema-10 file rebuilds its rollups
+    from its requests, so that no histogram mixes the two widths, and keeps every count and sum."""
+    from kvtrace.collectors import schema
+
+    path = tmp_path / "coarser.duckdb"
+    builts = [build(mode, late_rank_ms=float(i), d_queue_ms=1.3 * i, output_tokens=3 + i)
+              for i, mode in enumerate(["push", "pull"] * 3)]
+    store_of(path, builts)
+    sums = "SELECT sum(requests), sum(ttft_ms) FROM request_rollup"
+    con = duckdb.connect(str(path))
+    expected = con.execute(sums).fetchone()
+    # What a schema-10 collector left, its buckets standing for the old width: none where this one puts them.
+    con.execute("UPDATE request_rollup SET ttft_bucket = ttft_bucket + 1000; "
+                "UPDATE tpot_rollup SET tpot_bucket = tpot_bucket + 1000; "
+                "UPDATE stage_rollup SET duration_bucket = duration_bucket + 1000; "
+                "UPDATE schema_version SET version = 10")
+    con.close()
+    with pytest.raises(StoreUnavailable, match="schema 10"):  # a reader alone does not write to it
+        open_store(path).kpis(Filters())
+    Store(str(path)).shutdown()  # a collector opening it
+    con = duckdb.connect(str(path))
+    assert con.execute(sums).fetchone() == pytest.approx(expected)
+    buckets = con.execute("SELECT ttft_bucket, sum(requests) FROM request_rollup GROUP BY 1").fetchall()
+    ttfts = [ms for (ms,) in con.execute("SELECT ttft_ms FROM requests").fetchall()]
+    assert sorted(buckets) == sorted(collections.Counter(schema.bucket_of(ms) for ms in ttfts).items())
+    stages = con.execute("SELECT sum(spans), count(*) FILTER (WHERE duration_bucket >= 1000) FROM stage_rollup").fetchone()
+    assert stages == (con.execute("SELECT sum(len(stage_ids)) FROM requests").fetchone()[0], 0)
+    assert con.execute("SELECT count(*) FILTER (WHERE tpot_bucket >= 1000), sum(requests) FROM tpot_rollup"
+                       ).fetchone() == (0, len(builts))
+    con.close()
+    assert open_store(path).kpis(Filters())["requests"] == len(builts)

@@ -365,9 +365,9 @@ def test_the_overview_says_when_its_percentiles_are_estimates(monkeypatch, tmp_p
     monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
     db = store_of(tmp_path / "more.duckdb", [build("push", late_rank_ms=float(i)) for i in range(6)])
     at = _app(monkeypatch, db)
-    assert any("log-bucketed histograms (±4.3 %: over 3 requests), to two digits" in c.value for c in at.caption)
+    assert any("log-bucketed histograms (±3.9 %: over 3 requests), to two digits" in c.value for c in at.caption)
     estimate = open_store(db).kpis(Filters())["ttft_p50_ms"]
-    assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±4.3 % supports
+    assert _metrics(at)["TTFT p50"] == ms_short(estimate, approximate=True)  # two digits: what ±3.9 % supports
 
 
 def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch, tmp_path):
@@ -393,7 +393,7 @@ def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch,
     estimates = {(r["mode"], r["stage"]): r["p50_ms"] for r in open_store(db).stage_table(Filters())}
     at = _app(monkeypatch, db, "stages")
     shown = {(r["mode"], r["stage"]): r["p50 (ms)"] for r in at.dataframe[0].value.to_dict("records")}
-    assert any("Durations: percentiles from log-bucketed histograms (±4.3 %: over 3 requests), to two digits" in c.value
+    assert any("Durations: percentiles from log-bucketed histograms (±3.9 %: over 3 requests), to two digits" in c.value
                for c in at.caption)
     prefill = ("push", "prefill")  # ~146 ms in the histogram: 150 to two digits
     assert shown[prefill] == float(f"{estimates[prefill]:.2g}") and shown[prefill] != estimates[prefill]
