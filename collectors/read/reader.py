@@ -394,12 +394,16 @@ class StoreReader:
             acc[1] += row["tpot_ms"]
             acc[2] += row["engine_loop_ms"]
             acc[3] += row["output_tokens"]
-        return [{"mode": mode, "requests": int(n), "tpot_p50_ms": quantiles.get((mode,), (None, None))[0],
-                 "tpot_p90_ms": quantiles.get((mode,), (None, None))[1], "quantiles_exact": exact,
-                 "tpot_mean_ms": tpot / n if n else None,
-                 "engine_loop_ms_per_request": loop / n if n else None,
-                 "engine_loop_us_per_token": loop * 1e3 / tokens if tokens else None}
-                for mode, (n, tpot, loop, tokens) in sorted(sums.items()) if n > 0]
+        rows = []
+        for mode, (n, tpot, loop, tokens) in sorted(sums.items()):
+            if n <= 0:
+                continue
+            p50, p90 = quantiles.get((mode,), (None, None))
+            rows.append({"mode": mode, "requests": int(n), "tpot_p50_ms": p50, "tpot_p90_ms": p90,
+                         "quantiles_exact": exact, "tpot_mean_ms": tpot / n,
+                         "engine_loop_ms_per_request": loop / n,
+                         "engine_loop_us_per_token": loop * 1e3 / tokens if tokens else None})
+        return rows
 
     # ------------------------------------------------------------------ requests
 
