@@ -21,6 +21,8 @@ time to its first chart.
 
    Beside it, in the same rounds, a bare Streamlit page with one Plotly chart served with the
    same flags: Streamlit's floor on this machine, and the ratio of each page to it.
+4. With ``--profile``: a warm load of each page per round under Chromium's CPU profiler, and where the
+   page's main thread spent its time until the first chart (:func:`main_thread_profile`).
 
 Targets: the server side under 1 s per page (issue 9); in the browser each page within
 :data:`TARGET_RATIO` of the bare page, cold and warm (issue 20). Prints what it measured.
@@ -29,6 +31,7 @@ Targets: the server side under 1 s per page (issue 9); in the browser each page 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import statistics
@@ -74,6 +77,9 @@ SWITCH_SCRIPT = """
 page before is drawn (null when there is no such link, or no new chart within 30 s)."""
 SETTLE_MS = 2_000
 """After each first chart, the page is left this long to finish before the next navigation."""
+PROFILE_IDLE_MS = 4_000
+"""Before each profiled load, the tab is left idle this much longer, so that (with :data:`SETTLE_MS`) it waits about
+as long as before a timed warm load, which follows the page's cold load: a tab's reload is slower after idle time."""
 TARGET_RATIO = 1.5
 """Each page's time to first chart, cold and warm, against the bare page's (issue 20)."""
 PAGES = ["overview", "push_vs_pull", "stages", "rendezvous", "decode", "slow", "trace", "health"]
@@ -175,6 +181,38 @@ st.plotly_chart(go.Figure(go.Bar(x=["compute", "queue", "coordination", "wire"],
 """Streamlit's floor: one page with one Plotly chart, served with the dashboard's own flags."""
 
 
+def main_thread_profile(page, url: str) -> tuple[float, collections.Counter]:
+    """A warm load of ``url`` in ``page`` under the DevTools CPU profiler: (seconds to the first chart, the
+    renderer's main-thread ms up to it by where they went). Self time, grouped: ``idle``, ``gc``, ``outside
+    JS`` (V8's "(program)": the browser's own work on that thread — parsing, style, layout, paint), ``DOM
+    calls`` (native functions JS called: getBoundingClientRect's forced layouts, appendChild, insertRule…),
+    else the script chunk the function is in (``PlotlyChart``, ``react-dom``…: a chunk's name without its hash)."""
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Profiler.enable")
+    cdp.send("Profiler.setSamplingInterval", {"interval": 200})  # µs
+    cdp.send("Profiler.start")
+    asked = time.time()
+    page.goto(url)
+    page.wait_for_selector(".main-svg", timeout=120_000)
+    took = page.evaluate("window.__kvtraceFirstChart") / 1000 - asked
+    profile = cdp.send("Profiler.stop")["profile"]
+    cdp.detach()
+    frames = {node["id"]: node["callFrame"] for node in profile["nodes"]}
+    spent: collections.Counter = collections.Counter()
+    at, until = profile["startTime"], profile["startTime"] + took * 1e6  # µs, from when the profiler started
+    for node, delta in zip(profile["samples"], profile["timeDeltas"]):
+        at += delta
+        if at > until:
+            break
+        frame = frames[node]
+        name, script = frame["functionName"], frame["url"]
+        group = ({"(idle)": "idle", "(garbage collector)": "gc", "(program)": "outside JS"}.get(name)
+                 or (script.rsplit("/", 1)[-1].split(".")[0] if script else "DOM calls"))
+        spent[group] += delta / 1000
+    page.wait_for_timeout(SETTLE_MS)
+    return took, spent
+
+
 def _serve(command: list[str], port: int) -> subprocess.Popen:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -187,9 +225,11 @@ def _serve(command: list[str], port: int) -> subprocess.Popen:
     raise RuntimeError(f"nothing answered on 127.0.0.1:{port} within 60 s: {command}")
 
 
-def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]]:
+def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str, dict[str, list]]:
     """Per page (and the bare one-chart page, ``bare``), navigation to the first Plotly chart: cold and
-    warm, alternating with the bare page in every round so that both see the same machine."""
+    warm, alternating with the bare page in every round so that both see the same machine. With
+    ``profile``, then ``rounds`` more warm loads of each under the CPU profiler (``profile``: one
+    :func:`main_thread_profile` each)."""
     from playwright.sync_api import sync_playwright
 
     from kvtrace.dashboard import launch
@@ -200,7 +240,8 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
     bare_port = port + 1
     bare_command = [bare_app if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", bare_port)]
     processes = []
-    results: dict[str, dict[str, list[float]]] = {p: {"cold": [], "warm": [], "switch": []} for p in ["bare", *PAGES]}
+    results: dict[str, dict[str, list]] = {p: {"cold": [], "warm": [], "switch": [], "profile": []}
+                                           for p in ["bare", *PAGES]}
     try:
         processes.append(_serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
         processes.append(_serve(bare_command, bare_port))
@@ -245,6 +286,13 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
                     results[name]["switch"].append(took / 1000)
                     warm["kvtrace"].wait_for_timeout(SETTLE_MS)
                 print(f"  browser: round {number + 1}/{rounds} done", file=sys.stderr)
+            for number in range(rounds if profile else 0):  # after the timed rounds: the profiler slows the page
+                for name in ["bare", *PAGES]:
+                    url = (f"http://127.0.0.1:{bare_port}/" if name == "bare"
+                           else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
+                    warm[name if name == "bare" else "kvtrace"].wait_for_timeout(PROFILE_IDLE_MS)
+                    results[name]["profile"].append(main_thread_profile(warm["bare" if name == "bare" else "kvtrace"], url))
+                print(f"  browser: profiled round {number + 1}/{rounds} done", file=sys.stderr)
             chromium.close()
     finally:
         for process in processes:
@@ -252,6 +300,27 @@ def browser(db: str, rounds: int, port: int) -> dict[str, dict[str, list[float]]
             process.wait(30)
         shutil.rmtree(bare_dir, ignore_errors=True)
     return results
+
+
+def print_profiles(seen: dict[str, dict[str, list]], rounds: int) -> None:
+    """Per page, the profiled warm loads' medians: the time to the first chart, and the main thread's ms up to it
+    by where they went (:func:`main_thread_profile`), the four costliest script chunks by name."""
+    print(f"\nbrowser main thread until the first chart, warm, under the CPU profiler (slower than the timed loads), "
+          f"median of {rounds} (ms): 'outside JS' is the browser's own work (parsing, style, layout, paint); "
+          "'DOM calls' the native functions scripts called (forced layouts among them)")
+    fixed = ("idle", "gc", "outside JS", "DOM calls")
+    print(f"  {'page':<14}{'first':>7}{'busy':>7}" + "".join(f"{k:>12}" for k in fixed) + "   scripts (costliest chunks)")
+    for page, r in seen.items():
+        loads = r["profile"]
+        if not loads:
+            continue
+        median = {k: statistics.median(spent.get(k, 0.0) for _, spent in loads)
+                  for k in set().union(*(spent for _, spent in loads))}
+        scripts = sorted(((ms, k) for k, ms in median.items() if k not in fixed), reverse=True)
+        busy = sum(ms for k, ms in median.items() if k != "idle")
+        print(f"  {page:<14}{statistics.median(t for t, _ in loads) * 1000:>7.0f}{busy:>7.0f}"
+              + "".join(f"{median.get(k, 0.0):>12.0f}" for k in fixed)
+              + "   " + ", ".join(f"{k} {ms:.0f}" for ms, k in scripts[:4]))
 
 
 def main() -> int:
@@ -262,6 +331,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8593)
     parser.add_argument("--no-browser", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile a warm load of each page per round: where the browser's main thread "
+                             "spends its time until the first chart")
     args = parser.parse_args()
     tmp = None
     db = args.db
@@ -288,7 +360,7 @@ def main() -> int:
             print(f"  {page:<14}{statistics.median(r['paint']):>12.3f}{statistics.median(r['paint_q']):>10.3f}"
                   f"{statistics.median(r['refilter']):>12.3f}{statistics.median(r['refilter_q']):>10.3f}")
         if not args.no_browser:
-            seen = browser(db, args.rounds, args.port)
+            seen = browser(db, args.rounds, args.port, args.profile)
             bare = {k: statistics.median(seen["bare"][k]) for k in ("cold", "warm")}
             print(f"\nbrowser (Chromium), median of {args.rounds} (s): navigation to the first Plotly chart, beside "
                   f"the bare one-chart Streamlit page in the same rounds (cold {bare['cold']:.2f}, warm "
@@ -297,6 +369,7 @@ def main() -> int:
                   f"{'in-app':>8}{'range':>12}")
             missed = []
             for page, r in seen.items():
+                r = {k: v for k, v in r.items() if k != "profile"}
                 cold, warm = statistics.median(r["cold"]), statistics.median(r["warm"])
                 ratios = cold / bare["cold"], warm / bare["warm"]
                 spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in r.items() if v}  # this VM's noise, per page
@@ -307,6 +380,8 @@ def main() -> int:
                     continue
                 missed += [f"{page} {kind}" for kind, ratio in zip(("cold", "warm"), ratios) if ratio > TARGET_RATIO]
             print("every page within the target" if not missed else f"missed: {', '.join(missed)}")
+            if args.profile:
+                print_profiles(seen, args.rounds)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
