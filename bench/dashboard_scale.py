@@ -261,6 +261,10 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
                 page.wait_for_timeout(SETTLE_MS)
                 return took
 
+            def url_of(name: str) -> str:
+                return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
+                        else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
+
             def new_page():
                 page = chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
                 page.add_init_script(FIRST_CHART_SCRIPT)
@@ -271,8 +275,7 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
             first_chart(warm["bare"], f"http://127.0.0.1:{bare_port}/")
             for number in range(rounds):
                 for name in ["bare", *PAGES]:
-                    url = (f"http://127.0.0.1:{bare_port}/" if name == "bare"
-                           else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
+                    url = url_of(name)
                     cold_page = new_page()
                     results[name]["cold"].append(first_chart(cold_page, url))
                     cold_page.context.close()
@@ -288,10 +291,9 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
                 print(f"  browser: round {number + 1}/{rounds} done", file=sys.stderr)
             for number in range(rounds if profile else 0):  # after the timed rounds: the profiler slows the page
                 for name in ["bare", *PAGES]:
-                    url = (f"http://127.0.0.1:{bare_port}/" if name == "bare"
-                           else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
-                    warm[name if name == "bare" else "kvtrace"].wait_for_timeout(PROFILE_IDLE_MS)
-                    results[name]["profile"].append(main_thread_profile(warm["bare" if name == "bare" else "kvtrace"], url))
+                    tab = warm["bare" if name == "bare" else "kvtrace"]
+                    tab.wait_for_timeout(PROFILE_IDLE_MS)
+                    results[name]["profile"].append(main_thread_profile(tab, url_of(name)))
                 print(f"  browser: profiled round {number + 1}/{rounds} done", file=sys.stderr)
             chromium.close()
     finally:
