@@ -181,6 +181,19 @@ st.plotly_chart(go.Figure(go.Bar(x=["compute", "queue", "coordination", "wire"],
 """Streamlit's floor: one page with one Plotly chart, served with the dashboard's own flags."""
 
 
+def first_chart(page, url: str) -> float:
+    """Seconds from navigating ``page`` to ``url`` to its first chart (:data:`FIRST_CHART_SCRIPT`'s mark)."""
+    asked = time.time()  # the browser's clock is this machine's: the page's mark compares with it
+    page.goto(url)
+    page.wait_for_selector(".main-svg", timeout=120_000)
+    took = page.evaluate("window.__kvtraceFirstChart") / 1000 - asked
+    # Let the page finish (the rest of its script run, its other charts) before the next
+    # navigation, as a user reads a page before moving on: otherwise the next measure
+    # shares the server with this page's unfinished run.
+    page.wait_for_timeout(SETTLE_MS)
+    return took
+
+
 def main_thread_profile(page, url: str) -> tuple[float, collections.Counter]:
     """A warm load of ``url`` in ``page`` under the DevTools CPU profiler: (seconds to the first chart, the
     renderer's main-thread ms up to it by where they went). Self time, grouped: ``idle``, ``gc``, ``outside
@@ -191,10 +204,7 @@ def main_thread_profile(page, url: str) -> tuple[float, collections.Counter]:
     cdp.send("Profiler.enable")
     cdp.send("Profiler.setSamplingInterval", {"interval": 200})  # µs
     cdp.send("Profiler.start")
-    asked = time.time()
-    page.goto(url)
-    page.wait_for_selector(".main-svg", timeout=120_000)
-    took = page.evaluate("window.__kvtraceFirstChart") / 1000 - asked
+    took = first_chart(page, url)  # the samples after it (its settling time) are left out below
     profile = cdp.send("Profiler.stop")["profile"]
     cdp.detach()
     frames = {node["id"]: node["callFrame"] for node in profile["nodes"]}
@@ -209,7 +219,6 @@ def main_thread_profile(page, url: str) -> tuple[float, collections.Counter]:
         group = ({"(idle)": "idle", "(garbage collector)": "gc", "(program)": "outside JS"}.get(name)
                  or (script.rsplit("/", 1)[-1].split(".")[0] if script else "DOM calls"))
         spent[group] += delta / 1000
-    page.wait_for_timeout(SETTLE_MS)
     return took, spent
 
 
@@ -249,17 +258,6 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
             chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                 "--disable-sync", "--no-first-run"])
-
-            def first_chart(page, url: str) -> float:
-                asked = time.time()  # the browser's clock is this machine's: the page's mark compares with it
-                page.goto(url)
-                page.wait_for_selector(".main-svg", timeout=120_000)
-                took = page.evaluate("window.__kvtraceFirstChart") / 1000 - asked
-                # Let the page finish (the rest of its script run, its other charts) before the next
-                # navigation, as a user reads a page before moving on: otherwise the next measure
-                # shares the server with this page's unfinished run.
-                page.wait_for_timeout(SETTLE_MS)
-                return took
 
             def url_of(name: str) -> str:
                 return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
@@ -371,10 +369,10 @@ def main() -> int:
                   f"{'in-app':>8}{'range':>12}")
             missed = []
             for page, r in seen.items():
-                r = {k: v for k, v in r.items() if k != "profile"}
                 cold, warm = statistics.median(r["cold"]), statistics.median(r["warm"])
                 ratios = cold / bare["cold"], warm / bare["warm"]
-                spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in r.items() if v}  # this VM's noise, per page
+                spread = {k: f"{min(r[k]):.2f}-{max(r[k]):.2f}"  # this VM's noise, per page
+                          for k in ("cold", "warm", "switch") if r[k]}
                 switch = f"{statistics.median(r['switch']):>8.2f}{spread['switch']:>12}" if r["switch"] else ""
                 print(f"  {page:<14}{cold:>8.2f}{spread['cold']:>12}{ratios[0]:>7.2f}{warm:>8.2f}{spread['warm']:>12}"
                       f"{ratios[1]:>7.2f}{switch}")
