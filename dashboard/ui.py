@@ -306,6 +306,14 @@ def rough(value: float | None, exact: bool) -> float | None:
     return significant(value, ESTIMATE_DIGITS)
 
 
+_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]()<>#$:~|"})
+
+
+def markdown_text(text: str) -> str:
+    """``text`` as itself inside ``st.markdown``: ``transfer_failed`` not italic, no link, math or shortcode."""
+    return text.translate(_MARKDOWN_SPECIAL)
+
+
 def pct(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{value * 100:.{digits}f} %"
 

@@ -17,9 +17,11 @@ for col, row in zip(cols, rows):
     col.caption(f"p90 {ui.ms_short(row['tpot_p90_ms'], not exact)} · connector on the loop "
                 f"{ui.ms(row['engine_loop_ms_per_request'], 3)} per request, "
                 f"{row['engine_loop_us_per_token'] or 0:.1f} µs per output token")
-ui.side_by_side(("Time per output token", charts.tpot_bars(rows), "tpot"),
-                ("Connector time on the loop against TPOT, per request",
-                 charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), "loop_tpot"))
+st.subheader("Connector time on the loop against TPOT, per request")
+ui.chart(charts.loop_vs_tpot(data.requests_sample(f).to_pylist()), key="loop_tpot")
 st.caption("TPOT as the router saw it: (last token − first token) / (output tokens − 1), "
            f"{ui.percentiles_note(all(r['quantiles_exact'] for r in rows))}. Engine-loop time: the "
            "connector's calls on D's loop attributed to the request (pull's descriptor prep and READ post).")
+# The modes' TPOT percentiles are the figures above; as bars they wait for a click (each chart in the first
+# render costs it ~50-60 ms in Chromium, README "At a million requests").
+ui.lazy_sections("decode_more", {"TPOT by mode": lambda: ui.chart(charts.tpot_bars(rows), key="tpot")})

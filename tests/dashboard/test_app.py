@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvtrace.collectors.read import PART_COLUMNS, Filters, open_store
 from kvtrace.dashboard.launch import APP as APP_PATH
-from kvtrace.dashboard.ui import ms_short, section_key
+from kvtrace.dashboard.ui import markdown_text, ms, ms_short, section_key
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
 from tests.collectors.traces import MS, build, store_of
 
@@ -90,6 +90,8 @@ def test_every_page_renders_its_charts(monkeypatch, stores, page):
         at = _app(monkeypatch, stores[store], page)
         if page == "decode":  # the test traces have no TPOT (one output token): each chart says so in a line;
             # the browser test's traffic draws them (test_browser.PAGES)
+            assert [line.value for line in at.info] == ["No request with two or more output tokens."]
+            _open_section(at, page, "TPOT by mode")
             assert [line.value for line in at.info] == ["No request with two or more output tokens."] * 2
             continue
         assert at.get("plotly_chart"), f"{page} on {store}: no chart"
@@ -119,6 +121,12 @@ def test_a_pages_secondary_views_are_drawn_only_while_open(monkeypatch, stores):
     assert not at.dataframe  # not the transfer's table
     _open_section(at, "push_vs_pull", "The transfer itself")
     assert len(at.dataframe) == 1 and "MB/s (NIXL)" in at.dataframe[0].value.columns
+    at.switch_page("app_pages/stages.py").run()
+    assert len(_figures(at)) == 1 and not at.dataframe  # the shares; the table waits for a click
+    _open_section(at, "stages", "Every stage: durations and time on the path")
+    assert len(at.dataframe) == 1 and "on the critical path (ms/request)" in at.dataframe[0].value.columns
+    at.switch_page("app_pages/decode.py").run()
+    assert len(at.get("plotly_chart")) + len(at.info) == 1  # the scatter (or its line): not the TPOT bars too
 
 
 def test_overview_numbers_are_the_stores(monkeypatch, stores):
@@ -276,7 +284,12 @@ def test_a_store_from_another_schema_gets_a_clear_message(monkeypatch, tmp_path)
 
 def test_parts_per_request_add_up_on_the_slow_page(monkeypatch, stores):
     at = _app(monkeypatch, stores["mixed"], "slow")
-    slowest = at.dataframe[0].value.to_dict("records")
+    assert not at.dataframe  # the table waits under its expander; the slowest request is named above it
+    named = next(m.value for m in at.markdown if m.value.startswith("**The slowest:**"))
+    slowest = _open_section(at, "slow", "The slowest requests, each in one sentence").dataframe[0].value.to_dict(
+        "records")
+    assert slowest[0]["trace"] in named and ms(slowest[0]["TTFT (ms)"]) in named
+    assert markdown_text(slowest[0]["why"]) in named
     assert len(slowest) == 10
     for row in slowest:
         parts = sum(row[f"{c.removesuffix('_ms')} (ms)"] for c in PART_COLUMNS)
@@ -331,6 +344,15 @@ def test_a_chart_with_nothing_to_draw_is_a_line_saying_why_not_an_empty_figure(m
     assert len(figures) == 2 and all(figure["data"] for figure in figures)
 
 
+def test_a_sentence_in_markdown_reads_as_itself():
+    """An explanation inside st.markdown: no italics from snake_case, no link, no math, no shortcode."""
+    sentence = "Failed: D's read ended in error (transfer_failed) 170 ms in; [x](y) *z* $1 :material/x: a|b"
+    escaped = markdown_text(sentence)
+    assert "transfer\\_failed" in escaped
+    assert re.sub(r"\\(.)", r"\1", escaped) == sentence  # every escape is one backslash before the character
+    assert not re.search(r"(?<!\\)[_*\[\]()$:|`<>#~]", escaped)  # and no special character is left bare
+
+
 def test_kpi_durations_keep_three_digits_and_fit_a_narrow_column():
     from kvtrace.dashboard.ui import ms_short
 
@@ -379,7 +401,7 @@ def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch,
               for i, mode in enumerate(["push", "pull"] * 3)]
     db = store_of(tmp_path / "few.duckdb", builts)
     exact = {(r["mode"], r["stage"]): r["p50_ms"] for r in open_store(db).stage_table(Filters())}
-    at = _app(monkeypatch, db, "stages")
+    at = _open_section(_app(monkeypatch, db, "stages"), "stages", "Every stage: durations and time on the path")
     table = at.dataframe[0].value
     assert {(r["mode"], r["stage"]): r["p50 (ms)"] for r in table.to_dict("records")} == exact
     assert any("Durations: percentiles exact" in c.value for c in at.caption)
@@ -391,7 +413,7 @@ def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch,
     monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
     db = store_of(tmp_path / "many.duckdb", builts)
     estimates = {(r["mode"], r["stage"]): r["p50_ms"] for r in open_store(db).stage_table(Filters())}
-    at = _app(monkeypatch, db, "stages")
+    at = _open_section(_app(monkeypatch, db, "stages"), "stages", "Every stage: durations and time on the path")
     shown = {(r["mode"], r["stage"]): r["p50 (ms)"] for r in at.dataframe[0].value.to_dict("records")}
     assert any("Durations: percentiles from log-bucketed histograms (±3.9 %: over 3 requests), to two digits" in c.value
                for c in at.caption)

@@ -38,7 +38,7 @@ PAGES = {  # url path -> legend entries its charts must show on arrival
     "push-vs-pull": {"push", "pull"},
     "stages": {"push", "pull"},
     "rendezvous": {"registration_first", "kv_first"},
-    "decode": {"TPOT p50", "TPOT p90", "push", "pull"},
+    "decode": {"push", "pull"},
     "slow": {"push (sample)", "push slowest", "pull (sample)"},
     "trace": {"compute", "wire", "critical path", "request"},
     "health": set(),  # its charts on arrival are per process: their names vary with the run
@@ -47,6 +47,7 @@ SECTIONS = {  # url path -> a secondary view drawn only once opened (ui.lazy_sec
     "": ("TTFT over time", {"push p50", "pull p99"}),
     "push-vs-pull": ("The transfer itself", {"NIXL post", "NIXL transfer"}),
     "rendezvous": ("Coordination given the order", {"coordination", "TTFT"}),
+    "decode": ("TPOT by mode", {"TPOT p50", "TPOT p90"}),
     "health": ("Unattributed time and incomplete traces", {"push", "pull"}),
 }
 
