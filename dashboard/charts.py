@@ -298,10 +298,10 @@ def tpot_bars(rows: Sequence[dict]) -> go.Figure | NoData:
 
 
 SAMPLE_SCATTER = "scatter"
-"""Sampled requests are drawn as SVG, not WebGL (``scattergl``): a sample holds at most ~1,050 points
-(the reader's ``requests_sample``), which SVG draws before a WebGL context is even up. The Slow requests
+"""Sampled requests are drawn as SVG, not WebGL (``scattergl``): a sample holds at most ~350 points
+(``data.SAMPLE_POINTS`` and the 50 slowest), which SVG draws before a WebGL context is even up. The Slow requests
 page's first chart came 0.15–0.2 s sooner in Chromium (bench/dashboard_scale.py's store of 100k requests).
-Each point costs the browser ~0.13 ms to draw warm, so the sample is no larger than a scatter needs to
+Each point costs the browser ~0.13-0.19 ms to draw warm, so the sample is no larger than a scatter needs to
 show where requests fall (README, "At a million requests")."""
 
 
