@@ -222,8 +222,10 @@ def main_thread_profile(page, url: str) -> tuple[float, collections.Counter]:
     return took, spent
 
 
-def _serve(command: list[str], port: int) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def serve(command: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a Streamlit server (its own process group) and wait until it answers on ``port``."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -252,8 +254,8 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
     results: dict[str, dict[str, list]] = {p: {"cold": [], "warm": [], "switch": [], "profile": []}
                                            for p in ["bare", *PAGES]}
     try:
-        processes.append(_serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
-        processes.append(_serve(bare_command, bare_port))
+        processes.append(serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
+        processes.append(serve(bare_command, bare_port))
         with sync_playwright() as pw:
             chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
