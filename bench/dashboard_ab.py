@@ -17,12 +17,12 @@ measured here instead against the page it replaces, in the same rounds, on the s
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import io
 import tarfile
 import tempfile
 from pathlib import Path
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dashboard_scale import BARE_APP, FIRST_CHART_SCRIPT, PAGES, URLS, first_chart, serve  # noqa: E402
+from dashboard_scale import BARE_APP, PAGES, URLS, first_chart, launch_chromium, new_tab, serve, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_PACKAGE = '''# dashboard_ab.py: this copy's pages import this copy's kvtrace.dashboard, not the installed one.
@@ -87,15 +87,10 @@ def measure(db: str, base: str, pages: list[str], rounds: int, port: int) -> dic
                        for part in launch.command("127.0.0.1", ports[side])]
             processes.append(serve(command, ports[side], env={**os.environ, ENV_DB: db}))
         with sync_playwright() as pw:
-            chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run"])
-            tabs = {}
-            for side in servers:
-                tab = chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
-                tab.add_init_script(FIRST_CHART_SCRIPT)
+            chromium = launch_chromium(pw)
+            tabs = {side: new_tab(chromium) for side in servers}
+            for side, tab in tabs.items():
                 first_chart(tab, f"http://127.0.0.1:{ports[side]}/")  # the server's first session, the HTTP cache
-                tabs[side] = tab
             for number in range(rounds):
                 seen["bare"]["bare"].append(first_chart(tabs["bare"], f"http://127.0.0.1:{ports['bare']}/"))
                 for page in pages:
@@ -105,9 +100,7 @@ def measure(db: str, base: str, pages: list[str], rounds: int, port: int) -> dic
                 print(f"  round {number + 1}/{rounds} done", file=sys.stderr)
             chromium.close()
     finally:
-        for process in processes:
-            os.killpg(process.pid, 15)
-            process.wait(30)
+        stop(processes)
         shutil.rmtree(work, ignore_errors=True)
     return seen
 

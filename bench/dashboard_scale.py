@@ -236,6 +236,27 @@ def serve(command: list[str], port: int, env: dict[str, str] | None = None) -> s
     raise RuntimeError(f"nothing answered on 127.0.0.1:{port} within 60 s: {command}")
 
 
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each server's process group (:func:`serve`) and wait for it."""
+    for process in processes:
+        os.killpg(process.pid, 15)
+        process.wait(30)
+
+
+def launch_chromium(pw):
+    """Debian's Chromium (never a downloaded one), quiet: no GPU, no background traffic."""
+    return pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"])
+
+
+def new_tab(chromium):
+    """A tab in a new browser context (its own cache: a cold load), marking its first chart (:data:`FIRST_CHART_SCRIPT`)."""
+    page = chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
+    page.add_init_script(FIRST_CHART_SCRIPT)
+    return page
+
+
 def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str, dict[str, list]]:
     """Per page (and the bare one-chart page, ``bare``), navigation to the first Plotly chart: cold and
     warm, alternating with the bare page in every round so that both see the same machine. With
@@ -257,26 +278,19 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
         processes.append(serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
         processes.append(serve(bare_command, bare_port))
         with sync_playwright() as pw:
-            chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run"])
+            chromium = launch_chromium(pw)
 
             def url_of(name: str) -> str:
                 return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
                         else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
 
-            def new_page():
-                page = chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
-                page.add_init_script(FIRST_CHART_SCRIPT)
-                return page
-
-            warm = {"kvtrace": new_page(), "bare": new_page()}
+            warm = {"kvtrace": new_tab(chromium), "bare": new_tab(chromium)}
             first_chart(warm["kvtrace"], f"http://127.0.0.1:{port}/")  # each server's first session, the HTTP cache
             first_chart(warm["bare"], f"http://127.0.0.1:{bare_port}/")
             for number in range(rounds):
                 for name in ["bare", *PAGES]:
                     url = url_of(name)
-                    cold_page = new_page()
+                    cold_page = new_tab(chromium)
                     results[name]["cold"].append(first_chart(cold_page, url))
                     cold_page.context.close()
                     results[name]["warm"].append(first_chart(warm["bare" if name == "bare" else "kvtrace"], url))
@@ -297,9 +311,7 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
                 print(f"  browser: profiled round {number + 1}/{rounds} done", file=sys.stderr)
             chromium.close()
     finally:
-        for process in processes:
-            os.killpg(process.pid, 15)
-            process.wait(30)
+        stop(processes)
         shutil.rmtree(bare_dir, ignore_errors=True)
     return results
 
