@@ -1,5 +1,7 @@
 """Push vs pull: who wins, and which part of TTFT makes the difference."""
 
+import dataclasses
+
 import streamlit as st
 
 from kvtrace.dashboard import charts, data, ui
@@ -7,9 +9,6 @@ from kvtrace.dashboard import charts, data, ui
 f, options = ui.page("Push vs pull",
                      "Push binds decode early and writes the KV cache from prefill; pull reads it after prefill. "
                      "Same workload, two answers: which part of TTFT differs?")
-
-st.subheader("TTFT distribution")
-ui.chart(charts.ttft_cdf(data.ttft_cdf(f)), key="cdf")
 
 by_mode = data.parts_by_mode(f).to_pylist()
 st.subheader("Parts of TTFT, side by side")
@@ -21,6 +20,18 @@ if {"push", "pull"} <= modes.keys():
     st.markdown(ui.difference_line(modes["push"], modes["pull"]))
 else:
     st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
+# Each mode's percentiles as text; their whole distribution (a CDF) waits under an expander: a second chart
+# in view cost this page's first paint ~0.19 s warm (bench/dashboard_ab.py, README "At a million requests").
+answers = {mode: data.kpis(dataclasses.replace(f, modes=(mode,))) for mode in sorted(modes)}
+exact = all(k["quantiles_exact"] for k in answers.values())
+if answers:
+    st.caption("TTFT p50 / p90 / p99: " + " · ".join(
+        f"{mode} " + " / ".join(ui.ms_short(k[f"ttft_{q}_ms"], not exact) for q in ("p50", "p90", "p99"))
+        for mode, k in answers.items()) + f" ({ui.percentiles_note(exact)}).")
+
+
+def distribution() -> None:
+    ui.chart(charts.ttft_cdf(data.ttft_cdf(f)), key="cdf")
 
 
 def by_length() -> None:
@@ -42,4 +53,5 @@ def transfer() -> None:
         ui.chart(charts.transfer_bars(transfers), key="transfers")
 
 
-ui.lazy_sections("push_vs_pull_more", {"By prompt length": by_length, "The transfer itself": transfer})
+ui.lazy_sections("push_vs_pull_more", {"TTFT distribution": distribution, "By prompt length": by_length,
+                                       "The transfer itself": transfer})

@@ -117,7 +117,7 @@ def test_a_pages_secondary_views_are_drawn_only_while_open(monkeypatch, stores):
     _open_section(at, "overview", "TTFT over time", open_=False)
     assert len(_figures(at)) == 2 and "time (UTC)" not in x_titles(at)  # closed: no longer drawn
     at.switch_page("app_pages/push_vs_pull.py").run()
-    assert len(_figures(at)) == 2  # the CDF and the parts side by side
+    assert len(_figures(at)) == 1  # the parts side by side (the CDF waits too)
     assert not at.dataframe  # not the transfer's table
     _open_section(at, "push_vs_pull", "The transfer itself")
     assert len(at.dataframe) == 1 and "MB/s (NIXL)" in at.dataframe[0].value.columns
@@ -206,6 +206,17 @@ def test_push_vs_pull_shows_both_and_their_difference(monkeypatch, stores):
     assert sum(differences.values()) == pytest.approx(ttft, abs=0.03)  # the parts add up to TTFT, per mode
     bars = next(f for f in _figures(at) if f["data"][0].get("texttemplate"))  # each mode's values on its bars
     assert {t["name"] for t in bars["data"]} == {"push", "pull"}
+    # each mode's TTFT percentiles in a line, exact over these few rows (DuckDB's quantile_cont on the rows)
+    exact = {mode: open_store(stores["mixed"]).sql(
+        "SELECT quantile_cont(ttft_ms, [0.5, 0.9, 0.99]) AS q FROM requests WHERE complete AND mode = ?",
+        [mode]).to_pylist()[0]["q"] for mode in ("pull", "push")}
+    percentiles = next(c.value for c in at.caption if c.value.startswith("TTFT p50 / p90 / p99: "))
+    assert percentiles == ("TTFT p50 / p90 / p99: " + " · ".join(
+        f"{mode} " + " / ".join(ms_short(q) for q in exact[mode]) for mode in ("pull", "push"))
+        + " (percentiles exact).")
+    assert len(_figures(at)) == 1  # the parts; the distribution (CDF) waits under its expander
+    cdf = _figures(_open_section(at, "push_vs_pull", "TTFT distribution"))
+    assert any(f["layout"]["xaxis"]["title"]["text"] == "TTFT (ms, log scale)" for f in cdf)
     at = _app(monkeypatch, stores["push"], "push_vs_pull")
     assert any("Only one mode" in c.value for c in at.caption)
 
