@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dashboard_scale import BARE_APP, PAGES, URLS, first_chart, launch_chromium, new_tab, serve, stop  # noqa: E402
+from dashboard_scale import BARE_APP, PAGES, URLS, chromium_beside, first_chart, new_tab, streamlit_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_PACKAGE = '''# dashboard_ab.py: this copy's pages import this copy's kvtrace.dashboard, not the installed one.
@@ -68,40 +68,28 @@ def copy_dashboard(revision: str | None, into: Path) -> Path:
 def measure(db: str, base: str, pages: list[str], rounds: int, port: int) -> dict[str, dict[str, list[float]]]:
     """Per page, the warm loads' seconds to the first chart: ``base`` and ``head`` (the working tree); and
     the bare page's (``bare``)."""
-    from playwright.sync_api import sync_playwright
-
-    from kvtrace.dashboard import launch
     from kvtrace.dashboard.settings import ENV_DB
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-ab-"))
-    servers = {"base": copy_dashboard(base, work / "base"), "head": copy_dashboard(None, work / "head")}
+    scripts = {"base": copy_dashboard(base, work / "base"), "head": copy_dashboard(None, work / "head")}
     (work / "bare.py").write_text(BARE_APP)
-    servers["bare"] = work / "bare.py"
-    ports = {side: port + i for i, side in enumerate(servers)}
-    processes = []
+    scripts["bare"] = work / "bare.py"
+    ports = {side: port + i for i, side in enumerate(scripts)}
+    servers = [(streamlit_command(script, ports[side]), ports[side], {**os.environ, ENV_DB: db})
+               for side, script in scripts.items()]
     seen: dict[str, dict[str, list[float]]] = {page: {"base": [], "head": []} for page in pages}
     seen["bare"] = {"bare": []}
-    try:
-        for side, script in servers.items():
-            command = [str(script) if part == str(launch.SERVER) else part
-                       for part in launch.command("127.0.0.1", ports[side])]
-            processes.append(serve(command, ports[side], env={**os.environ, ENV_DB: db}))
-        with sync_playwright() as pw:
-            chromium = launch_chromium(pw)
-            tabs = {side: new_tab(chromium) for side in servers}
-            for side, tab in tabs.items():
-                first_chart(tab, f"http://127.0.0.1:{ports[side]}/")  # the server's first session, the HTTP cache
-            for number in range(rounds):
-                seen["bare"]["bare"].append(first_chart(tabs["bare"], f"http://127.0.0.1:{ports['bare']}/"))
-                for page in pages:
-                    for side in (("base", "head") if number % 2 == 0 else ("head", "base")):  # neither always first
-                        url = f"http://127.0.0.1:{ports[side]}/{URLS.get(page, page)}"
-                        seen[page][side].append(first_chart(tabs[side], url))
-                print(f"  round {number + 1}/{rounds} done", file=sys.stderr)
-            chromium.close()
-    finally:
-        stop(processes)
-        shutil.rmtree(work, ignore_errors=True)
+    with chromium_beside(servers, work) as chromium:
+        tabs = {side: new_tab(chromium) for side in scripts}
+        for side, tab in tabs.items():
+            first_chart(tab, f"http://127.0.0.1:{ports[side]}/")  # the server's first session, the HTTP cache
+        for number in range(rounds):
+            seen["bare"]["bare"].append(first_chart(tabs["bare"], f"http://127.0.0.1:{ports['bare']}/"))
+            for page in pages:
+                for side in (("base", "head") if number % 2 == 0 else ("head", "base")):  # neither always first
+                    url = f"http://127.0.0.1:{ports[side]}/{URLS.get(page, page)}"
+                    seen[page][side].append(first_chart(tabs[side], url))
+            print(f"  round {number + 1}/{rounds} done", file=sys.stderr)
     return seen
 
 

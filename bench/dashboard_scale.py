@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import statistics
@@ -236,18 +237,37 @@ def serve(command: list[str], port: int, env: dict[str, str] | None = None) -> s
     raise RuntimeError(f"nothing answered on 127.0.0.1:{port} within 60 s: {command}")
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM each server's process group (:func:`serve`) and wait for it."""
-    for process in processes:
-        os.killpg(process.pid, 15)
-        process.wait(30)
+def streamlit_command(script: str | Path, port: int) -> list[str]:
+    """Streamlit serving ``script`` on 127.0.0.1 with the flags ``kvtrace dashboard`` uses for its own."""
+    from kvtrace.dashboard import launch
+
+    return [str(script) if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", port)]
 
 
-def launch_chromium(pw):
-    """Debian's Chromium (never a downloaded one), quiet: no GPU, no background traffic."""
-    return pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"])
+@contextlib.contextmanager
+def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]], scratch: str | Path):
+    """Each server ``(command, port, env)`` started and answering (:func:`serve`), then Debian's Chromium
+    (never a downloaded one; no GPU, no background traffic), yielded. On the way out, Chromium closed, the
+    servers' process groups stopped (SIGTERM, by PID) and ``scratch`` (the caller's temporary folder) removed."""
+    from playwright.sync_api import sync_playwright
+
+    processes = []
+    try:
+        for command, port, env in servers:
+            processes.append(serve(command, port, env))
+        with sync_playwright() as pw:
+            chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run"])
+            try:
+                yield chromium
+            finally:
+                chromium.close()
+    finally:
+        for process in processes:
+            os.killpg(process.pid, 15)
+            process.wait(30)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def new_tab(chromium):
@@ -262,57 +282,44 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
     warm, alternating with the bare page in every round so that both see the same machine. With
     ``profile``, then ``rounds`` more warm loads of each under the CPU profiler (``profile``: one
     :func:`main_thread_profile` each)."""
-    from playwright.sync_api import sync_playwright
-
-    from kvtrace.dashboard import launch
-
     bare_dir = tempfile.mkdtemp(prefix="kvtrace-bare-")
     bare_app = os.path.join(bare_dir, "bare.py")
     Path(bare_app).write_text(BARE_APP)
     bare_port = port + 1
-    bare_command = [bare_app if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", bare_port)]
-    processes = []
+    servers = [([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port, None),
+               (streamlit_command(bare_app, bare_port), bare_port, None)]
     results: dict[str, dict[str, list]] = {p: {"cold": [], "warm": [], "switch": [], "profile": []}
                                            for p in ["bare", *PAGES]}
-    try:
-        processes.append(serve([sys.executable, "-m", "kvtrace", "dashboard", "--db", db, "--port", str(port)], port))
-        processes.append(serve(bare_command, bare_port))
-        with sync_playwright() as pw:
-            chromium = launch_chromium(pw)
+    with chromium_beside(servers, bare_dir) as chromium:
+        def url_of(name: str) -> str:
+            return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
+                    else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
 
-            def url_of(name: str) -> str:
-                return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
-                        else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
-
-            warm = {"kvtrace": new_tab(chromium), "bare": new_tab(chromium)}
-            first_chart(warm["kvtrace"], f"http://127.0.0.1:{port}/")  # each server's first session, the HTTP cache
-            first_chart(warm["bare"], f"http://127.0.0.1:{bare_port}/")
-            for number in range(rounds):
-                for name in ["bare", *PAGES]:
-                    url = url_of(name)
-                    cold_page = new_tab(chromium)
-                    results[name]["cold"].append(first_chart(cold_page, url))
-                    cold_page.context.close()
-                    results[name]["warm"].append(first_chart(warm["bare" if name == "bare" else "kvtrace"], url))
-                # In-app: the same tab moving page to page by the sidebar's links, as users do once the
-                # dashboard is open (no new document: only the page's script run and its elements).
-                for name in PAGES:
-                    took = warm["kvtrace"].evaluate(SWITCH_SCRIPT, URLS.get(name, name))
-                    if took is None:
-                        raise RuntimeError(f"no new chart within 30 s of clicking the link to {name}")
-                    results[name]["switch"].append(took / 1000)
-                    warm["kvtrace"].wait_for_timeout(SETTLE_MS)
-                print(f"  browser: round {number + 1}/{rounds} done", file=sys.stderr)
-            for number in range(rounds if profile else 0):  # after the timed rounds: the profiler slows the page
-                for name in ["bare", *PAGES]:
-                    tab = warm["bare" if name == "bare" else "kvtrace"]
-                    tab.wait_for_timeout(PROFILE_IDLE_MS)
-                    results[name]["profile"].append(main_thread_profile(tab, url_of(name)))
-                print(f"  browser: profiled round {number + 1}/{rounds} done", file=sys.stderr)
-            chromium.close()
-    finally:
-        stop(processes)
-        shutil.rmtree(bare_dir, ignore_errors=True)
+        warm = {"kvtrace": new_tab(chromium), "bare": new_tab(chromium)}
+        first_chart(warm["kvtrace"], f"http://127.0.0.1:{port}/")  # each server's first session, the HTTP cache
+        first_chart(warm["bare"], f"http://127.0.0.1:{bare_port}/")
+        for number in range(rounds):
+            for name in ["bare", *PAGES]:
+                url = url_of(name)
+                cold_page = new_tab(chromium)
+                results[name]["cold"].append(first_chart(cold_page, url))
+                cold_page.context.close()
+                results[name]["warm"].append(first_chart(warm["bare" if name == "bare" else "kvtrace"], url))
+            # In-app: the same tab moving page to page by the sidebar's links, as users do once the
+            # dashboard is open (no new document: only the page's script run and its elements).
+            for name in PAGES:
+                took = warm["kvtrace"].evaluate(SWITCH_SCRIPT, URLS.get(name, name))
+                if took is None:
+                    raise RuntimeError(f"no new chart within 30 s of clicking the link to {name}")
+                results[name]["switch"].append(took / 1000)
+                warm["kvtrace"].wait_for_timeout(SETTLE_MS)
+            print(f"  browser: round {number + 1}/{rounds} done", file=sys.stderr)
+        for number in range(rounds if profile else 0):  # after the timed rounds: the profiler slows the page
+            for name in ["bare", *PAGES]:
+                tab = warm["bare" if name == "bare" else "kvtrace"]
+                tab.wait_for_timeout(PROFILE_IDLE_MS)
+                results[name]["profile"].append(main_thread_profile(tab, url_of(name)))
+            print(f"  browser: profiled round {number + 1}/{rounds} done", file=sys.stderr)
     return results
 
 
