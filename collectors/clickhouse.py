@@ -283,6 +283,8 @@ MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
     9: (("collector_health", "ADD COLUMN IF NOT EXISTS dropped_decisions Int64 DEFAULT 0"),),
     # 10 -> 11: finer histogram buckets (schema.HIST_PER_OCTAVE); the rollups are views, created anew on open
     10: (),
+    # 11 -> 12: the embedded store's span ids as numbers (schema.MIGRATIONS); a ClickHouse store's are as they were
+    11: (),
 }
 """From a schema version to the next: ``(table, ALTER clause)`` pairs, idempotent (``IF NOT EXISTS``) so that
 a migration cut short is run again whole."""

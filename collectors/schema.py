@@ -21,7 +21,11 @@ writes these tables, the read side (:mod:`.read`) reads them, and nothing else s
 * ``stages`` — a view: those lists unnested, one row per (trace, stage).
 * ``spans`` — a view: every span as received (``span_rows`` joined with ``origins``, one row
   per sender); ``batches`` says where each export request's original bytes are in the
-  write-ahead log.
+  write-ahead log. ``span_rows`` holds each id as the number its bytes spell (big-endian; a root's
+  parent NULL) and the view writes it in hex, as every other table does: since schema 12, because
+  numbers cost the collector's writer less than text to insert and checkpoint (README, "Benchmarks").
+  The view's hex is written per row, so a filter on it reads every span: ``trace_spans('<id>')`` (a
+  table macro, the same columns) finds one trace's spans by number.
 * Rollups, kept up to date in the transaction that writes the requests, so no page scans raw
   rows for a chart (exact KPI percentiles of small selections do, :mod:`.read.quantiles`): ``request_rollup`` (per minute × run × mode × prompt-length
   bucket × P/D instances × completeness × rendezvous order × TTFT bucket: counts and sums),
@@ -49,7 +53,7 @@ from typing import Final
 
 from kvtrace.telemetry import semconv
 
-SCHEMA_VERSION: Final = 11
+SCHEMA_VERSION: Final = 12
 """Bump when a table, view or rollup changes: a file with another version is refused, unless
 :data:`MIGRATIONS` (below the rollups, which the last one rebuilds) brings it up to this one."""
 
@@ -88,16 +92,15 @@ LENGTH_BUCKET_SQL: Final = ("CASE WHEN prompt_tokens > 0 THEN floor(log2(prompt_
 MINUTE_SQL: Final = "to_timestamp(floor(epoch(started_at) / 60) * 60)"
 """The minute a request started in (UTC, independent of the session's time zone)."""
 
-ORIGINALS_SQL: Final = ("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM spans s "
-                        "JOIN batches b USING (batch_id) WHERE s.trace_id = ? AND b.wal_segment IS NOT NULL "
-                        "ORDER BY 1, 2, 4")
+ORIGINALS_SQL: Final = ("SELECT DISTINCT b.wal_segment, b.wal_offset, b.bytes, s.batch_index FROM trace_spans(?) s "
+                        "JOIN batches b USING (batch_id) WHERE b.wal_segment IS NOT NULL ORDER BY 1, 2, 4")
 """Where a trace's stored spans came from: (log segment, end offset, bytes, index of the span in its
 export request), for each request that holds one (:func:`.model.spans_at` reads them back)."""
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER);
 CREATE TABLE IF NOT EXISTS span_rows (
-    trace_id VARCHAR, span_id VARCHAR, parent_span_id VARCHAR, name VARCHAR, stage VARCHAR,
+    trace_id UHUGEINT, span_id UBIGINT, parent_span_id UBIGINT, name VARCHAR, stage VARCHAR,
     origin_id INTEGER, start_ns BIGINT, end_ns BIGINT, status TINYINT, batch_id BIGINT, batch_index INTEGER
 );
 CREATE TABLE IF NOT EXISTS origins (
@@ -160,12 +163,17 @@ HEALTH_COLUMNS: Final = ("spans_received", "requests_rejected", "traces_decided"
 """What the collector reports about itself in ``collector_health`` (besides run and time). Columns added by a
 migration come last, where ``ALTER TABLE ... ADD COLUMN`` puts them in a migrated file."""
 
-VIEWS: Final = """
+_SPANS = """SELECT lpad(lower(hex(s.trace_id)), 32, '0') AS trace_id, lpad(lower(hex(s.span_id)), 16, '0') AS span_id,
+       coalesce(lpad(lower(hex(s.parent_span_id)), 16, '0'), '') AS parent_span_id, s.name, s.stage, o.service,
+       o.instance, o.role, o.mode, o.run_id, s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6 AS duration_ms,
+       s.status, s.batch_id, s.batch_index
+FROM span_rows s JOIN origins o USING (origin_id)"""
+
+VIEWS: Final = f"""
 CREATE OR REPLACE VIEW spans AS
-SELECT s.trace_id, s.span_id, s.parent_span_id, s.name, s.stage, o.service, o.instance, o.role, o.mode,
-       o.run_id, s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6 AS duration_ms, s.status, s.batch_id,
-       s.batch_index
-FROM span_rows s JOIN origins o USING (origin_id);
+{_SPANS};
+CREATE OR REPLACE MACRO trace_spans(id) AS TABLE
+{_SPANS} WHERE s.trace_id = TRY_CAST('0x' || id AS UHUGEINT) AND length(id) = 32;
 CREATE OR REPLACE VIEW stages AS
 SELECT trace_id, k.side, k.stage, k.category, start_ns, end_ns, (end_ns - start_ns) / 1e6 AS duration_ms,
        critical_ns / 1e6 AS critical_ms
@@ -284,11 +292,18 @@ MIGRATIONS: Final[dict[int, str]] = {
     # 10 -> 11: HIST_PER_OCTAVE 8 -> 9; the rollups are sums over the requests, so they are rebuilt from them
     10: "; ".join([*(f"DELETE FROM {rollup.name}" for rollup in ROLLUPS), *rollup_statements("true", 1),
                    "UPDATE schema_version SET version = 11"]),
+    # 11 -> 12: span_rows' ids as the numbers their bytes spell, not as hex text (``spans`` above)
+    11: "CREATE TABLE span_rows_12 AS SELECT TRY_CAST('0x' || trace_id AS UHUGEINT) AS trace_id, "
+        "TRY_CAST('0x' || span_id AS UBIGINT) AS span_id, TRY_CAST('0x' || nullif(parent_span_id, '') AS UBIGINT) "
+        "AS parent_span_id, * EXCLUDE (trace_id, span_id, parent_span_id) FROM span_rows; "
+        "DROP VIEW IF EXISTS spans; DROP TABLE span_rows; ALTER TABLE span_rows_12 RENAME TO span_rows; "
+        "UPDATE schema_version SET version = 12",
 }
 """From a schema version to the next, in one transaction: what the collector runs on opening an older file."""
 
 
 def describe() -> str:
     """The tables a user can query, for ``kvtrace query --help`` and the README."""
-    return ("requests (one row per trace), runs (one per sweep run), stages (view), spans (view), request_rollup, "
-            "tpot_rollup, stage_rollup, stage_keys, collector_runs, collector_health, batches")
+    return ("requests (one row per trace), runs (one per sweep run), stages (view), spans (view), "
+            "trace_spans('<trace id>') (one trace's spans: a lookup, where filtering spans by trace_id reads every "
+            "span), request_rollup, tpot_rollup, stage_rollup, stage_keys, collector_runs, collector_health, batches")

@@ -131,7 +131,7 @@ def test_every_span_keeps_its_own_name_and_stage(make_collector):
     assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3)
     collector.store.flush()
     stored = {(t, s): (name, stage) for t, s, name, stage in collector.store.query(
-        "SELECT trace_id, span_id, name, stage FROM span_rows")}
+        "SELECT trace_id, span_id, name, stage FROM spans")}
     assert stored == sent and "vendor.ステージ-é" in {name for name, _ in stored.values()}
     assert len({name for name, _ in sent.values()}) > 5 and len({stage for _, stage in sent.values()}) > 10
 

@@ -314,6 +314,64 @@ def test_ttft_over_time_is_exact_for_small_selections_with_the_rollups_periods(m
         (r["period"], r["mode"], r["requests"]) for r in rows]
 
 
+def test_one_traces_spans_are_found_by_id_as_the_spans_view_has_them(tmp_path):
+    """``trace_spans('<id>')`` (the store's table macro, a lookup by number) returns exactly the rows the
+    ``spans`` view has for that trace id, hex as every table writes it; an id that is not 32 hex digits, or
+    is no trace's, finds nothing (never an error, never another trace)."""
+    builts = [build("push"), build("pull"), build("pull", fail="read")]
+    reader = open_store(store_of(tmp_path / "lookup.duckdb", builts))
+    for built in builts:
+        looked_up = reader.sql("SELECT * FROM trace_spans(?)", [built.trace_id]).to_pylist()
+        filtered = reader.sql("SELECT * FROM spans WHERE trace_id = ?", [built.trace_id]).to_pylist()
+        assert sorted(looked_up, key=str) == sorted(filtered, key=str) and len(looked_up) > 10
+        assert {r["trace_id"] for r in looked_up} == {built.trace_id}
+        assert all(len(r["span_id"]) == 16 and len(r["parent_span_id"]) in (0, 16) for r in looked_up)
+    some = builts[0].trace_id
+    for other in (some[:-1], some + "0", "zz" * 16, "", "0" * 32, some[:-1] + ("0" if some[-1] != "0" else "1")):
+        assert reader.sql("SELECT count(*) AS n FROM trace_spans(?)", [other]).to_pylist() == [{"n": 0}], other
+
+
+SPAN_IDS_AS_TEXT = ("CREATE TABLE text_ids AS SELECT lpad(lower(hex(trace_id)), 32, '0') AS trace_id, "
+                    "lpad(lower(hex(span_id)), 16, '0') AS span_id, coalesce(lpad(lower(hex(parent_span_id)), 16, '0'), "
+                    "'') AS parent_span_id, * EXCLUDE (trace_id, span_id, parent_span_id) FROM span_rows; "
+                    "DROP VIEW spans; DROP TABLE span_rows; ALTER TABLE text_ids RENAME TO span_rows; "
+                    "CREATE VIEW spans AS SELECT s.*, o.service FROM span_rows s JOIN origins o USING (origin_id)")
+"""span_rows as a collector before schema 12 wrote it: ids as lower-case hex, a root's parent ''."""
+
+
+def test_a_store_with_span_ids_as_text_is_brought_up_to_date_and_its_traces_still_found(tmp_path):
+    """Schema 12 keeps span ids as numbers: opening a schema-11 file (ids as hex text) converts its spans,
+    whose ids, parents and roots read as before through ``spans``, whose traces are still found in the
+    write-ahead log by id, and beside which new spans are stored."""
+    path = tmp_path / "text-ids.duckdb"
+    before = [build("push"), build("pull")]
+    store_of(path, before)
+    columns = "trace_id, span_id, parent_span_id, name, stage, service, start_ns, end_ns, status, batch_id, batch_index"
+    con = duckdb.connect(str(path))
+    as_written = sorted(con.execute(f"SELECT {columns} FROM spans").fetchall())
+    con.execute(SPAN_IDS_AS_TEXT + "; UPDATE schema_version SET version = 11")
+    assert con.execute("SELECT count(*) FILTER (WHERE parent_span_id = '') FROM span_rows").fetchone()[0] == 2
+    con.close()
+    with pytest.raises(StoreUnavailable, match="schema 11"):  # a reader alone does not write to it
+        open_store(path).kpis(Filters())
+    Store(str(path)).shutdown()  # a collector opening it
+    later = build("push", drop={"router"})
+    store_of(path, [later])  # and one storing new spans beside them
+    reader = open_store(path)
+    earlier = reader.sql(f"SELECT {columns} FROM spans WHERE trace_id IN (?, ?)", [b.trace_id for b in before])
+    assert sorted(tuple(r.values()) for r in earlier.to_pylist()) == as_written
+    assert {r["name"]: r["type"] for r in reader.sql(
+        "SELECT column_name AS name, data_type AS type FROM information_schema.columns WHERE table_name = 'span_rows' "
+        "AND column_name IN ('trace_id', 'span_id', 'parent_span_id')").to_pylist()} == {
+        "trace_id": "UHUGEINT", "span_id": "UBIGINT", "parent_span_id": "UBIGINT"}
+    # the routers' root spans, converted from '' (the third trace's router is not in it: no root)
+    assert reader.sql("SELECT count(*) AS n FROM span_rows WHERE parent_span_id IS NULL").to_pylist()[0]["n"] == 2
+    assert reader.kpis(Filters())["requests"] == 3
+    for built in [*before, later]:  # each trace's spans found by its id, read back from the write-ahead log
+        assert sorted(s.span_id.hex() for s in reader.source.trace_spans(built.trace_id)) == sorted(
+            row.span_id.hex() for r in built.requests for row in SpanBatch.of(r).rows)
+
+
 def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):
     """A schema-6 file (before ttft_reference, explanation, and the Kafka and dropped-decision health
     columns) is migrated, one version at a time, when a collector opens it: its rows are kept, read as
@@ -324,6 +382,7 @@ def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path)
     before = [build("push"), build("pull")]
     store_of(path, before)
     con = duckdb.connect(str(path))  # what a schema-6 collector left: no ttft_reference, version 6
+    con.execute(SPAN_IDS_AS_TEXT)
     con.execute("DROP VIEW IF EXISTS stages; ALTER TABLE requests DROP COLUMN ttft_reference; "
                 "ALTER TABLE requests DROP COLUMN explanation; UPDATE schema_version SET version = 6; "
                 + "; ".join(f"ALTER TABLE collector_health DROP COLUMN {c}"
@@ -357,6 +416,7 @@ def test_a_store_of_the_coarser_buckets_has_its_rollups_rebuilt_from_its_request
     con = duckdb.connect(str(path))
     expected = con.execute(sums).fetchone()
     # What a schema-10 collector left, its buckets standing for the old width: none where this one puts them.
+    con.execute(SPAN_IDS_AS_TEXT)
     con.execute("UPDATE request_rollup SET ttft_bucket = ttft_bucket + 1000; "
                 "UPDATE tpot_rollup SET tpot_bucket = tpot_bucket + 1000; "
                 "UPDATE stage_rollup SET duration_bucket = duration_bucket + 1000; "
