@@ -305,5 +305,5 @@ MIGRATIONS: Final[dict[int, str]] = {
 def describe() -> str:
     """The tables a user can query, for ``kvtrace query --help`` and the README."""
     return ("requests (one row per trace), runs (one per sweep run), stages (view), spans (view), "
-            "trace_spans('<trace id>') (one trace's spans: a lookup, where filtering spans by trace_id reads every "
-            "span), request_rollup, tpot_rollup, stage_rollup, stage_keys, collector_runs, collector_health, batches")
+            "trace_spans('<trace id>') (the embedded store's: one trace's spans, a lookup where filtering spans by "
+            "trace_id reads every span), request_rollup, tpot_rollup, stage_rollup, stage_keys, collector_runs, collector_health, batches")
