@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,6 +112,7 @@ class ClickHouseServer:
 
     def __init__(self, directory: str | None = None, *, remote_servers: str = "") -> None:
         self.http_port, self.tcp_port = free_port(), free_port()
+        self._own_directory = directory is None  # made here: removed on exit (a given one is the caller's to keep)
         self.directory = Path(directory or tempfile.mkdtemp(prefix="kvtrace-clickhouse-"))
         self.remote_servers = remote_servers  # <remote_servers> XML: the clusters this server knows
         self._process: subprocess.Popen | None = None
@@ -147,6 +149,8 @@ class ClickHouseServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(5)
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class ClickHouseCluster:

@@ -278,3 +278,18 @@ def test_clocks_measured_by_one_collector_align_the_traces_every_collector_decid
             # add the offset to the process's times to get its router's (unskewed) clock: minus its skew
             assert instance in bounds and bounds[instance] < 5_000_000, (row["trace_id"], instance, bounds)
             assert abs(offsets[instance] + skews[instance]) <= bounds[instance] + 200_000, (instance, offsets)
+
+
+def test_a_clickhouse_server_removes_the_folder_it_made_and_keeps_one_it_was_given(tmp_path):
+    """Each ClickHouseServer() made a temporary folder (its data, its log) and left it behind: two more
+    under /tmp per test run. Now the folder it made goes with it; a folder it was given stays the caller's."""
+    from kvtrace.testbed.peers import ClickHouseServer
+
+    with ClickHouseServer() as server:
+        made = server.directory
+        assert (made / "config.xml").is_file()
+    assert not made.exists()
+    given = tmp_path / "kept"
+    with ClickHouseServer(str(given)):
+        pass
+    assert (given / "config.xml").is_file()
