@@ -16,17 +16,18 @@ This VM's speed moves by more than most changes between runs (collector_stages.p
 from __future__ import annotations
 
 import argparse
-import io
 import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from revisions import ROOT, copy_at, is_commit  # noqa: E402
+
 PACKAGES = ("collectors", "telemetry", "connector", "dashboard")
 """The folders pyproject.toml maps to ``kvtrace.<name>``; a copy links each under its ``kvtrace/``."""
 COPIED = ("kvtrace", *PACKAGES, "bench", "setup.py", "pyproject.toml")
@@ -36,19 +37,7 @@ _STAGE_LINE = re.compile(r"^\s+(\S.*?)\s+([\d.]+) µs(?:\s+[\d.]+%|\s+->.*)$")  
 def copy_tree(revision: str | None, into: Path) -> Path:
     """What the collector and its bench need, at ``revision`` (None: the working tree as it is), under
     ``into``, built and importing itself; returns the copy's root."""
-    into.mkdir(parents=True)
-    if revision is None:
-        for name in COPIED:
-            source = ROOT / name
-            if source.is_dir():
-                shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "_compiled.json"))
-            else:
-                shutil.copy2(source, into / name)
-    else:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, *COPIED],
-                                 check=True, capture_output=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(into, filter="data")
+    copy_at(revision, COPIED, into, skip=("__pycache__", "*.so", "_compiled.json"))
     for name in PACKAGES:  # kvtrace.<name> -> <name>/, found on sys.path before the installed package's finder
         (into / "kvtrace" / name).symlink_to(Path("..") / name)
     built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=into, capture_output=True,
@@ -56,7 +45,7 @@ def copy_tree(revision: str | None, into: Path) -> Path:
     if built.returncode != 0:
         raise SystemExit(f"collector_ab: building {revision or 'the working tree'} failed:\n{built.stderr[-2000:]}")
     found = subprocess.run([sys.executable, "-c", "import kvtrace.collectors.store as s, kvtrace.collectors.wire as w;"
-                            "print(s.__file__, w.native.__file__ if w.native else '')"],
+                            "print(s.__file__, w.native.__file__ if w.native else 'no-native-decoder')"],
                            cwd=into, capture_output=True, text=True, check=True).stdout.split()
     if len(found) != 2 or not all(Path(f).resolve().is_relative_to(into.resolve()) for f in found):
         raise SystemExit(f"collector_ab: the copy of {revision or 'the working tree'} imports {found}, not its own")
@@ -82,8 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
-                      capture_output=True).returncode != 0:
+    if not is_commit(args.base):
         parser.error(f"--base {args.base!r} is not a commit of {ROOT}")
     arguments = [*(["--forward"] if args.forward else []), *(["--clocks"] if args.clocks else []),
                  *(["--traces", str(args.traces)] if args.traces else [])]

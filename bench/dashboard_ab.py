@@ -17,13 +17,9 @@ measured here instead against the page it replaces, in the same rounds, on the s
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -31,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dashboard_scale import BARE_APP, PAGES, URLS, chromium_beside, first_chart, new_tab, streamlit_command  # noqa: E402
+from revisions import ROOT, copy_at, is_commit  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 OWN_PACKAGE = '''# dashboard_ab.py: this copy's pages import this copy's kvtrace.dashboard, not the installed one.
 import importlib.util as _util, sys as _sys
 if getattr(_sys.modules.get("kvtrace.dashboard"), "__file__", None) != {init!r}:
@@ -52,14 +48,7 @@ def copy_dashboard(revision: str | None, into: Path) -> Path:
     """``dashboard/`` at ``revision`` (None: the working tree, uncommitted changes included) under ``into``,
     its ``app.py`` importing its own package; returns the copy's ``server.py``."""
     folder = into / "dashboard"
-    if revision is None:
-        shutil.copytree(ROOT / "dashboard", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    else:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, "dashboard"],
-                                 check=True, capture_output=True).stdout
-        into.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(into, filter="data")
+    copy_at(revision, ("dashboard",), into)
     app = folder / "app.py"
     app.write_text(OWN_PACKAGE.format(init=str(folder / "__init__.py"), folder=str(folder)) + app.read_text())
     return folder / "server.py"
@@ -123,10 +112,7 @@ def main() -> int:
         parser.error(f"no store at {args.db} (build one with bench/dashboard_scale.py --db {args.db})")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    try:
-        subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
-                       check=True, capture_output=True)
-    except subprocess.CalledProcessError:
+    if not is_commit(args.base):
         parser.error(f"--base {args.base!r} is not a commit of {ROOT}")
     report(measure(args.db, args.base, pages, args.rounds, args.port), args.base)
     return 0
