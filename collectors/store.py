@@ -317,8 +317,8 @@ class Store(BufferedStore):
             found = con.execute("SELECT max(version) FROM schema_version").fetchone()[0] \
                 if "schema_version" in tables else None
             while found in schema.MIGRATIONS:  # an older file this kvtrace knows how to bring up to date
-                logger.info("kvtrace collector: %s: bringing store schema %d up to %d (on a large file this takes a "
-                            "while: ~15 s for 17.5 M spans from 11 to 12)", self.path, found, found + 1)
+                logger.info("kvtrace collector: %s: bringing store schema %d up to %d (a large file takes a while)",
+                            self.path, found, found + 1)
                 con.execute("BEGIN TRANSACTION")
                 con.execute(schema.MIGRATIONS[found])
                 con.execute("COMMIT")
@@ -684,15 +684,18 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
     columns = [batch_columns for _, batch_columns, _, _ in batches]
     n = sum(len(c) for c in columns)
 
-    def packed(kind: pa.DataType, name: str) -> pa.Array:
-        return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(b"".join(getattr(c, name) for c in columns))])
+    def joined(name: str) -> bytes:  # one packed column of every batch, end to end
+        return b"".join(getattr(c, name) for c in columns)
 
-    trace_words = _id_words(b"".join(c.trace_ids for c in columns))  # two per trace id, high first
+    def packed(kind: pa.DataType, name: str) -> pa.Array:
+        return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(joined(name))])
+
+    trace_words = _id_words(joined("trace_ids"))  # two per trace id, high first
     return pa.table({
         "trace_high": _uint64s(trace_words[0::2]),
         "trace_low": _uint64s(trace_words[1::2]),
-        "span_id": _uint64s(_id_words(b"".join(c.span_ids for c in columns))),
-        "parent_span_id": _uint64s(_id_words(b"".join(c.parent_ids for c in columns))),
+        "span_id": _uint64s(_id_words(joined("span_ids"))),
+        "parent_span_id": _uint64s(_id_words(joined("parent_ids"))),
         "name": pa.array([name for c in columns for name in c.names], pa.string()),
         "stage": pa.array([stage for c in columns for stage in c.stages], pa.string()),
         # each batch's origin index (into its own origins) mapped to the file's origin ids
