@@ -35,6 +35,7 @@ import collections
 import contextlib
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -252,6 +253,8 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
     from playwright.sync_api import sync_playwright
 
     processes = []
+    # A stop by signal (``timeout``, kill) leaves through the finally below too, rather than orphaning the servers.
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     try:
         for command, port, env in servers:
             processes.append(serve(command, port, env))
@@ -265,9 +268,10 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
                 chromium.close()
     finally:
         for process in processes:
-            os.killpg(process.pid, 15)
+            os.killpg(process.pid, signal.SIGTERM)
             process.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def new_tab(chromium):
