@@ -567,6 +567,9 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         bounds.extend(b.clock_bounds_ns.values())
         clock_bounds.append(len(bounded))
 
+    clients = [b.client for b in breakdowns]
+    any_client = any(clients)  # only the load generator's requests have a client span
+
     def lists(values: pa.Array) -> pa.ListArray:
         return pa.ListArray.from_arrays(offsets, values)
 
@@ -607,8 +610,8 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         "stage_critical_ns": lists(critical),
         "flush_id": pa.array([flush_id] * len(breakdowns), pa.int64()),
         "updated_at": pa.array([now] * len(breakdowns), pa.timestamp("us", tz="UTC")),
-        **{column: pa.array([_client_value(b.client, key, scale, kind) for b in breakdowns], kind)
-           for column, key, scale, kind in _CLIENT_COLUMNS},
+        **{column: pa.array([_client_value(client, key, scale, kind) for client in clients], kind)
+           if any_client else pa.nulls(len(breakdowns), kind) for column, key, scale, kind in _CLIENT_COLUMNS},
         "ttft_reference": [b.ttft_reference for b in breakdowns],
         "explanation": [b.explanation for b in breakdowns],
     })
@@ -691,6 +694,7 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
         return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(joined(name))])
 
     trace_words = _id_words(joined("trace_ids"))  # two per trace id, high first
+    positions = pa.array(range(max(map(len, columns))), pa.int32())  # each span's index in its batch: a prefix
     return pa.table({
         "trace_high": _uint64s(trace_words[0::2]),
         "trace_low": _uint64s(trace_words[1::2]),
@@ -706,8 +710,9 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
         "start_ns": packed(pa.int64(), "starts"),
         "end_ns": packed(pa.int64(), "ends"),
         "status": packed(pa.int8(), "statuses"),
-        "batch_id": pa.concat_arrays([pa.repeat(batch_id, len(c)).cast(pa.int64()) for batch_id, c, _, _ in batches]),
-        "batch_index": pa.concat_arrays([pa.array(range(len(c)), pa.int32()) for c in columns]),
+        "batch_id": pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(b"".join(
+            array.array("q", (batch_id,)).tobytes() * len(c) for batch_id, c, _, _ in batches))]),
+        "batch_index": pa.concat_arrays([positions.slice(0, len(c)) for c in columns]),
     })
 
 

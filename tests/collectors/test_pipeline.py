@@ -116,6 +116,49 @@ def test_every_requests_column_is_written_by_the_store(make_collector):
     assert sorted(written) == sorted(declared) and len(written) == len(set(written))
 
 
+def test_client_columns_hold_the_client_spans_measures_and_stay_null_without_one():
+    """A sweep's requests carry the load generator's client span; others have none, and a flush may hold
+    both kinds or only the second."""
+    from kvtrace.collectors.store import request_table
+    from kvtrace.telemetry import semconv
+
+    swept, served = decided(build("push")), decided(build("pull"))
+    swept.client = {semconv.CLIENT_TTFT_NS: 12.5 * MS, semconv.CLIENT_OUTPUT_TOKENS: 7, semconv.BENCH_RATE: 2.0}
+    both = request_table([swept, served], 1, {}, lambda key: 1)
+    assert both.column("client_ttft_ms").to_pylist() == [12.5, None]
+    assert both.column("client_output_tokens").to_pylist() == [7, None]
+    assert both.column("point_rate").to_pylist() == [2.0, None]
+    assert both.column("client_tpot_ms").to_pylist() == [None, None]  # not on this client span
+    only_served = request_table([served, served], 2, {}, lambda key: 1)
+    clients = ["client_ttft_ms", "client_tpot_ms", "client_itl_p50_ms", "client_itl_p99_ms", "client_output_tokens",
+               "point_rate", "point_concurrency", "point_prompt_tokens"]
+    for column in clients:
+        assert only_served.column(column).to_pylist() == [None, None]
+        assert only_served.schema.field(column).type == both.schema.field(column).type
+
+
+def test_every_span_keeps_its_place_in_the_export_request_that_brought_it(make_collector):
+    """``batch_id`` and ``batch_index`` name each span's export request and its index there (how a trace's
+    originals are found in the write-ahead log), over requests of different lengths stored in one flush."""
+    collector = make_collector()
+    sent = {}  # (trace, span) -> (which request, index in it)
+    requests = [request for built in (build("push"), build("pull", drop={"router"}), build("push", "kv_first"))
+                for request in built.requests]
+    for number, request in enumerate(requests):
+        batch = SpanBatch.of(request)
+        sent.update({(row.trace_id.hex(), row.span_id.hex()): (number, index) for index, row in enumerate(batch.rows)})
+        collector.consume(batch)
+    assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3)
+    collector.store.flush()
+    stored = {(t, s): (batch, index) for t, s, batch, index in collector.store.query(
+        "SELECT trace_id, span_id, batch_id, batch_index FROM spans")}
+    assert {key: index for key, (_, index) in stored.items()} == {key: index for key, (_, index) in sent.items()}
+
+    def grouped(places: dict) -> set[frozenset]:  # the spans of each request (or batch id) together
+        return {frozenset(key for key, (other, _) in places.items() if other == batch) for batch, _ in places.values()}
+    assert grouped(stored) == grouped(sent) and len(grouped(sent)) == len(requests)
+
+
 def test_every_span_keeps_its_own_name_and_stage(make_collector):
     """The span table's name and stage columns are built per flush from every batch's columns at once: each
     stored row must hold its own span's name and stage, over several export requests in one flush, with a
