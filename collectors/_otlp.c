@@ -651,9 +651,8 @@ static int put_attribute(Buffer *b, PyObject *key, PyObject *value) {
     } else if (PyLong_Check(value)) {
         uint64_t v = PyLong_AsUnsignedLongLongMask(value);
         if (v == (uint64_t)-1 && PyErr_Occurred()) return -1;
-        any_len = 1 + varint_size(v);
         scalar[0] = 0x18; /* int_value */
-        for (Py_ssize_t i = 1; i < any_len; i++, v >>= 7) scalar[i] = (uint8_t)(v & 0x7F) | (i + 1 < any_len ? 0x80 : 0);
+        any_len = write_varint(scalar + 1, v) - scalar;
     } else if (PyFloat_Check(value)) {
         double d = PyFloat_AS_DOUBLE(value);
         scalar[0] = 0x21; /* double_value, little-endian fixed64 */
