@@ -629,11 +629,8 @@ def stage_columns(breakdowns: list[Breakdown], known: dict[tuple[str, str], int]
             known = {**known, **{key: assign(key) for key in unknown}}
             ids, starts, ends, critical, offsets, _ = native.stage_columns(breakdowns, known)
         n = len(starts) // 8
-
-        def packed(kind: pa.DataType, length: int, data: bytes) -> pa.Array:
-            return pa.Array.from_buffers(kind, length, [None, pa.py_buffer(data)])
-        return (packed(pa.int64(), n, ids), packed(pa.int64(), n, starts), packed(pa.int64(), n, ends),
-                packed(pa.int64(), n, critical), packed(pa.int32(), len(breakdowns) + 1, offsets))
+        return (_packed(pa.int64(), n, ids), _packed(pa.int64(), n, starts), _packed(pa.int64(), n, ends),
+                _packed(pa.int64(), n, critical), _packed(pa.int32(), len(breakdowns) + 1, offsets))
     keys: list[tuple[str, str]] = []
     columns: tuple[list[int], list[int], list[int]] = ([], [], [])  # starts, ends, critical
     row_offsets = [0]
@@ -691,7 +688,7 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
         return b"".join(getattr(c, name) for c in columns)
 
     def packed(kind: pa.DataType, name: str) -> pa.Array:
-        return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(joined(name))])
+        return _packed(kind, n, joined(name))
 
     trace_words = _id_words(joined("trace_ids"))  # two per trace id, high first
     positions = pa.array(range(max(map(len, columns))), pa.int32())  # each span's index in its batch: a prefix
@@ -704,14 +701,13 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
         "stage": pa.array([stage for c in columns for stage in c.stages], pa.string()),
         # each batch's origin index (into its own origins) mapped to the file's origin ids
         "origin_id": pa.concat_arrays([
-            pa.array(ids, pa.int32()).take(
-                pa.Array.from_buffers(pa.int32(), len(c), [None, pa.py_buffer(c.origin_index)]))
+            pa.array(ids, pa.int32()).take(_packed(pa.int32(), len(c), c.origin_index))
             for c, ids in zip(columns, origin_ids)]),
         "start_ns": packed(pa.int64(), "starts"),
         "end_ns": packed(pa.int64(), "ends"),
         "status": packed(pa.int8(), "statuses"),
-        "batch_id": pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(b"".join(
-            array.array("q", (batch_id,)).tobytes() * len(c) for batch_id, c, _, _ in batches))]),
+        "batch_id": _packed(pa.int64(), n, b"".join(
+            array.array("q", (batch_id,)).tobytes() * len(c) for batch_id, c, _, _ in batches)),
         "batch_index": pa.concat_arrays([positions.slice(0, len(c)) for c in columns]),
     })
 
@@ -726,4 +722,9 @@ def _id_words(packed: bytes) -> array.array:
 
 
 def _uint64s(words: array.array) -> pa.Array:
-    return pa.Array.from_buffers(pa.uint64(), len(words), [None, pa.py_buffer(words)])
+    return _packed(pa.uint64(), len(words), words)
+
+
+def _packed(kind: pa.DataType, length: int, data: Any) -> pa.Array:
+    """``length`` values of ``kind`` (fixed width, no nulls) from their bytes packed end to end, without a copy."""
+    return pa.Array.from_buffers(kind, length, [None, pa.py_buffer(data)])
