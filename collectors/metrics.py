@@ -1,10 +1,11 @@
 """Prometheus metrics of the collector: what the attribution found, and how the collector fares.
 
 Attribution: ``kvtrace_ttft_seconds{mode}`` and ``kvtrace_ttft_part_seconds{mode,category}``
-(each request's TTFT and its split on the critical path). The collector itself: spans in,
-requests refused (busy, bad data), traces decided / incomplete / late, and per upstream the
-spans forwarded, failed attempts, batches dropped and backlog — the last group read from the
-forwarders' own counters when scraped, so forwarding costs nothing extra per span.
+(each request's TTFT and its split on the critical path). The collector itself: spans and
+export requests in (their ratio says how well senders batch), requests refused (busy, bad data),
+traces decided / incomplete / late, and per upstream the spans forwarded, failed attempts,
+batches dropped and backlog — the last group read from the forwarders' own counters when
+scraped, so forwarding costs nothing extra per span.
 
 The attribution histograms are observed once per trace on the pipeline thread, six values
 each; they are plain bucket counts rendered at scrape time (:class:`_Histogram`), because
@@ -34,6 +35,10 @@ class CollectorMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._spans = Counter("kvtrace_collector_spans_received_total", "Spans accepted.", registry=r)
+        self._requests = Counter(
+            "kvtrace_collector_export_requests_total",
+            "Export requests accepted (OTLP calls; in fleet mode, Kafka messages). Spans per request is "
+            "spans_received_total over this: each request costs the receiver a fixed share of CPU.", registry=r)
         self._rejected = Counter("kvtrace_collector_requests_rejected_total",
                                  "Export requests refused or failed, by reason.", ("reason",), registry=r)
         self._traces = Counter("kvtrace_collector_traces_total", "Traces decided, by mode and completeness.",
@@ -60,9 +65,11 @@ class CollectorMetrics:
         """Spans received, requests rejected and incomplete traces so far (for the store's health rows)."""
         return dict(self._counts)
 
-    def spans_received(self, n: int) -> None:
-        self._spans.inc(n)
-        self._counts["spans_received"] += n
+    def received(self, spans: int) -> None:
+        """One export request of ``spans`` spans accepted."""
+        self._requests.inc()
+        self._spans.inc(spans)
+        self._counts["spans_received"] += spans
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason).inc()

@@ -133,7 +133,7 @@ class SpanStage:
         self._replaying = replaying
 
     def consume(self, batch: SpanBatch, position: tuple[int, int] | None) -> None:
-        self._metrics.spans_received(len(batch.rows))
+        self._metrics.received(len(batch.rows))
         self._store.add_spans(batch, position)
         self._assembler.add(batch.rows)
         if self._forwarder is not None and not self._replaying():

@@ -88,6 +88,24 @@ def test_http_answers_each_kind_of_bad_input_properly(make_collector):
     assert collector.metrics.registry.get_sample_value("kvtrace_collector_spans_received_total") > 0
 
 
+def test_export_requests_and_spans_are_counted_per_accepted_request(make_collector):
+    """Spans per export request (spans_received_total over export_requests_total) is what says whether senders
+    batch well: refused requests count in neither."""
+    collector = make_collector()
+    sample = collector.metrics.registry.get_sample_value
+    stub = trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(grpc_target(collector)))
+    sent = [build(mode).requests[i] for mode in ("push", "pull") for i in range(2)]
+    for request in sent[:2]:
+        assert post(collector, request.SerializeToString()).status_code == 200
+    for request in sent[2:]:
+        stub.Export(request, timeout=5)
+    assert post(collector, b"\xff\x00garbage").status_code == 400
+    spans = sum(len(ss.spans) for request in sent for rs in request.resource_spans for ss in rs.scope_spans)
+    assert spans > len(sent)  # requests of several spans: the two counters differ
+    assert wait_until(lambda: sample("kvtrace_collector_spans_received_total") == spans)
+    assert sample("kvtrace_collector_export_requests_total") == len(sent)
+
+
 def test_http_json_with_hex_ids_is_accepted(make_collector):
     collector = make_collector()
     body = {"resourceSpans": [{"resource": {"attributes": [
