@@ -68,13 +68,15 @@ def main() -> int:
     parser.add_argument("--forward", action="store_true", help="passed to collector_stages.py")
     parser.add_argument("--clocks", action="store_true", help="passed to collector_stages.py")
     parser.add_argument("--traces", type=int, help="passed to collector_stages.py")
+    parser.add_argument("--batch", type=int, help="passed to collector_stages.py (spans per export request)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if not is_commit(args.base):
         parser.error(f"--base {args.base!r} is not a commit of {ROOT}")
     arguments = [*(["--forward"] if args.forward else []), *(["--clocks"] if args.clocks else []),
-                 *(["--traces", str(args.traces)] if args.traces else [])]
+                 *(["--traces", str(args.traces)] if args.traces else []),
+                 *(["--batch", str(args.batch)] if args.batch else [])]
     work = Path(tempfile.mkdtemp(prefix="kvtrace-collector-ab-"))
     try:
         print(f"building {args.base} and the working tree...", file=sys.stderr)

@@ -141,6 +141,24 @@ class Origin:
                    _int(attributes.get(semconv.RES_CONTRACT_VERSION)))
 
 
+ORIGINS_KEPT = 4096
+"""How many senders' Origins :func:`origin_of` keeps (emptied when full: a fleet's engines fit many times)."""
+_origins: dict[bytes, Origin] = {}
+
+
+def origin_of(attributes: dict[str, Any], resource: bytes) -> Origin:
+    """:meth:`Origin.of`, once per distinct ``Resource``: a sender repeats the same resource bytes in
+    every export request, and building its Origin costs ~4 µs, which small requests feel (an engine's
+    exporter sends a few dozen spans each 500 ms): requests of 28 spans from 3 senders decode 12 %
+    faster (``bench/collector_ab.py --batch 28``). Requests of one sender share the Origin object."""
+    origin = _origins.get(resource)
+    if origin is None:
+        if len(_origins) >= ORIGINS_KEPT:
+            _origins.clear()
+        origin = _origins[resource] = Origin.of(attributes, resource)
+    return origin
+
+
 def _int(value: Any) -> int:
     """A resource attribute's integer (string or int); 0 when absent or not a number."""
     try:
@@ -245,7 +263,7 @@ def decode(payload: bytes) -> tuple[list[SpanRow], SpanColumns]:
     if _otlp is None:
         return decode_python(payload, latest)
     try:
-        rows, origins, columns = _otlp.decode(payload, latest, SpanRow, Origin.of, _SPAN_KEYS_BYTES,
+        rows, origins, columns = _otlp.decode(payload, latest, SpanRow, origin_of, _SPAN_KEYS_BYTES,
                                               _RESOURCE_KEYS_BYTES, semconv.ATTR_STAGE)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise PermanentError(f"malformed protobuf: {exc}") from None
@@ -271,7 +289,7 @@ def decode_python(payload: bytes, latest: int) -> tuple[list[SpanRow], SpanColum
     starts, ends, statuses, origin_index = array.array("q"), array.array("q"), array.array("b"), array.array("i")
     for resource_spans in request.resource_spans:
         resource = resource_spans.resource
-        origin = Origin.of({a.key: value_of(a.value) for a in resource.attributes if a.key in _RESOURCE_KEYS},
+        origin = origin_of({a.key: value_of(a.value) for a in resource.attributes if a.key in _RESOURCE_KEYS},
                            resource.SerializeToString())
         origins.append(origin)
         for scope_spans in resource_spans.scope_spans:

@@ -119,6 +119,26 @@ def test_names_and_trace_ids_are_shared_not_mixed_up():
     assert rows[0].trace_id is rows[1].trace_id and rows[1].name is rows[41].name  # shared, not copied
 
 
+def test_a_sender_keeps_one_origin_across_requests(monkeypatch):
+    """Each sender's Origin is built once per distinct resource (model.origin_of) and shared by its
+    requests, by both decoders; another resource gets its own, and a full cache starts again."""
+    monkeypatch.setattr(model, "_origins", {})
+    built = build("push")  # one request per service: router, P, D
+    latest = time.time_ns() + model.FUTURE_SLACK_NS
+    for decode in (model.decode, lambda payload: model.decode_python(payload, latest)):
+        first = [decode(r.SerializeToString())[0] for r in built.requests]
+        again = [decode(r.SerializeToString())[0] for r in built.requests]
+        for rows_first, rows_again in zip(first, again):
+            assert rows_again[0].origin is rows_first[0].origin
+        services = [rows[0].origin.service for rows in first]
+        assert len(set(services)) == len(services) == len({id(rows[0].origin) for rows in first})
+    monkeypatch.setattr(model, "ORIGINS_KEPT", 2)
+    model._origins.clear()
+    for request in built.requests:
+        model.decode(request.SerializeToString())
+    assert 1 <= len(model._origins) <= 2
+
+
 @native
 @pytest.mark.parametrize("bad, message", [
     (dict(trace_id=bytes(16)), "trace_id must be 16 non-zero bytes"),
