@@ -2,6 +2,9 @@
 
 import time
 
+from kvtrace.collectors.model import SpanBatch
+from kvtrace.collectors.service import Busy
+
 
 def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05) -> bool:
     """Poll ``predicate`` until it is true or ``timeout_s`` passes; returns its last value."""
@@ -11,3 +14,19 @@ def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05) -> 
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def feed(collector, payloads, timeout_s: float = 60.0) -> None:
+    """Each OTLP payload into ``collector``'s pipeline as a sender would send it: while the pipeline is
+    full (``Busy``, a sender's 503) it is tried again, for at most ``timeout_s`` in all."""
+    deadline = time.monotonic() + timeout_s
+    for payload in payloads:
+        batch = SpanBatch.decode(payload)
+        while True:
+            try:
+                collector.consume(batch)
+                break
+            except Busy:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)

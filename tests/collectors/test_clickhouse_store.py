@@ -10,11 +10,11 @@ import pytest
 
 from kvtrace.collectors import clickhouse, schema
 from kvtrace.collectors.config import CollectorConfig
-from kvtrace.collectors.model import SpanBatch
 from kvtrace.collectors.read import Filters, StoreUnavailable, open_store
 from kvtrace.collectors.service import Collector
 from kvtrace.testbed.synthetic import Generator, Workload
 from tests.collectors.traces import build
+from tests.helpers import feed
 
 START = datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=20)
 
@@ -57,8 +57,7 @@ def _collect(store: str, wal_dir, payloads: list[bytes]) -> None:
     collector = Collector(CollectorConfig(db_path=store, wal_dir=str(wal_dir), grpc_port=None, http_port=0,
                                           query_port=None, decision_wait_s=0.0))
     collector.start()
-    for payload in payloads:
-        collector.consume(SpanBatch.decode(payload))
+    feed(collector, payloads)
     collector.shutdown()
 
 
@@ -215,8 +214,7 @@ def _collect_in_steps(store: str, wal_dir, steps: list[list[bytes]]) -> None:
                                           query_port=None, decision_wait_s=0.0))
     collector.start()
     for step in steps:
-        for payload in step:
-            collector.consume(SpanBatch.decode(payload))
+        feed(collector, step)
         deadline = time.monotonic() + 10
         while collector.intake.queued() and time.monotonic() < deadline:
             time.sleep(0.01)

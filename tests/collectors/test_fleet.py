@@ -16,6 +16,7 @@ from kvtrace.collectors.service import Collector
 from kvtrace.testbed.fleet import FleetGenerator, FleetShape, publish
 from kvtrace.testbed.peers import KafkaMockCluster
 from tests.collectors.traces import build
+from tests.helpers import feed
 
 TOPIC, PARTITIONS = "otlp_spans", 6
 TRACES = 3_000
@@ -117,8 +118,7 @@ def test_three_collectors_in_a_group_decide_each_trace_once_as_one_embedded_coll
     one.start()
     if measured:  # the same exchanges, against the embedded collector's clock
         _exchange_clocks(one, fleet_start)
-    for _, value in fleet_messages:
-        one.consume(SpanBatch.decode(value))
+    feed(one, [value for _, value in fleet_messages])
     one.shutdown()
     fleet, alone = _rows(open_store(url)), _rows(open_store(embedded))
     assert len(fleet) == len(alone) == TRACES
