@@ -1,6 +1,7 @@
 """The collector end to end in-process: contract traces in any order, attribution, store."""
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvtrace.collectors import wire
 from kvtrace.collectors.model import SpanBatch
@@ -157,6 +158,31 @@ def test_every_span_keeps_its_place_in_the_export_request_that_brought_it(make_c
     def grouped(places: dict) -> set[frozenset]:  # the spans of each request (or batch id) together
         return {frozenset(key for key, (other, _) in places.items() if other == batch) for batch, _ in places.values()}
     assert grouped(stored) == grouped(sent) and len(grouped(sent)) == len(requests)
+
+
+def test_every_span_keeps_its_own_sender(make_collector):
+    """The span table maps each span's resource (an index into its own request's resources) to the file's
+    origin ids for the whole flush at once: over requests with one and with several resources stored in one
+    flush, each stored span must name its own sender."""
+    collector = make_collector()
+    requests = [*build("push").requests]  # one resource each
+    for built in (build("pull"), build("push", "kv_first")):  # all of a trace's resources in one request
+        merged = ExportTraceServiceRequest()
+        for request in built.requests:
+            merged.resource_spans.extend(request.resource_spans)
+        requests.append(merged)
+    assert any(len(r.resource_spans) > 1 for r in requests) and any(len(r.resource_spans) == 1 for r in requests)
+    sent = {}
+    for request in requests:
+        batch = SpanBatch.of(request)
+        sent.update({(row.trace_id.hex(), row.span_id.hex()): (row.origin.service, row.origin.instance)
+                     for row in batch.rows})
+        collector.consume(batch)
+    assert wait_until(lambda: collector.store.query("SELECT count(*) FROM requests")[0][0] == 3)
+    collector.store.flush()
+    stored = {(t, s): (service, instance) for t, s, service, instance in collector.store.query(
+        "SELECT trace_id, span_id, service, instance FROM spans")}
+    assert stored == sent and len(set(sent.values())) > 2
 
 
 def test_every_span_keeps_its_own_name_and_stage(make_collector):
