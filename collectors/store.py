@@ -707,7 +707,7 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
     # Whole-flush arithmetic rather than Arrow calls per batch (each ~5 µs: most of a small request's share):
     # each span's index in its batch is a prefix of one range; its origin's index, shifted past the batches
     # before it, picks the file's origin id out of every batch's ids laid end to end.
-    positions = array.array("i", range(max(map(len, columns)))).tobytes()
+    positions = array.array("i", range(max(map(len, columns))))
     shift = list(itertools.accumulate((len(ids) for ids in origin_ids[:-1]), initial=0))
     origin_index = pc.add(packed(pa.int32(), "origin_index"), per_batch(pa.int32(), "i", shift))
     return pa.table({
@@ -722,7 +722,7 @@ def _span_table(batches: list[tuple[int, SpanColumns, int, Any]], origin_ids: li
         "end_ns": packed(pa.int64(), "ends"),
         "status": packed(pa.int8(), "statuses"),
         "batch_id": per_batch(pa.int64(), "q", [batch_id for batch_id, _, _, _ in batches]),
-        "batch_index": _packed(pa.int32(), n, b"".join(positions[:4 * len(c)] for c in columns)),
+        "batch_index": _packed(pa.int32(), n, b"".join(positions[:len(c)] for c in columns)),
     })
 
 
