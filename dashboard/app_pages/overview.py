@@ -13,17 +13,15 @@ f, options = ui.page("Where does time to first token go?",
 def kpi_strip() -> None:
     live = ui.current_filters(ui.store_options())  # a relative window follows the newest data
     k = data.kpis(live)
-    # two rows of four: seven KPIs in one row are cut off in a laptop's window
-    top, bottom = st.columns(4), st.columns(4)
     rough = not k["quantiles_exact"]  # a histogram's estimate: shown to the digits its ±3.9 % supports
-    for col, q in zip(top, ("p50", "p90", "p99")):
-        value = k[f"ttft_{q}_ms"]
-        col.metric(f"TTFT {q}", ui.ms_short(value, rough), help=f"{'≈ ' if rough else ''}{ui.ms(value)}")
-    top[3].metric("Coordination", ui.pct(k["coordination_share"]),
-                  help="Coordination's share of all TTFT in the window (complete traces).")
-    bottom[0].metric("Requests", ui.count(k["requests"]))
-    bottom[1].metric("Incomplete", ui.count(k["incomplete"]), help="Traces missing a stage; see Health.")
-    bottom[2].metric("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")
+    # two rows of four: seven KPIs in one row are cut off in a laptop's window
+    ui.kpis([*(ui.Kpi(f"TTFT {q}", ui.ms_short(k[f"ttft_{q}_ms"], rough),
+                      help=f"{'≈ ' if rough else ''}{ui.ms(k[f'ttft_{q}_ms'])}") for q in ("p50", "p90", "p99")),
+             ui.Kpi("Coordination", ui.pct(k["coordination_share"]),
+                    help="Coordination's share of all TTFT in the window (complete traces)."),
+             ui.Kpi("Requests", ui.count(k["requests"])),
+             ui.Kpi("Incomplete", ui.count(k["incomplete"]), help="Traces missing a stage; see Health."),
+             ui.Kpi("Failed", ui.count(k["failed"]), help="Traces with a stage that ended in error.")])
     st.caption(f"{ui.window_caption(live, ui.store_options())} · live, every {data.settings().refresh_s:g} s · "
                + ui.percentiles_note(k["quantiles_exact"]))
 

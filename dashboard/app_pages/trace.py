@@ -32,15 +32,14 @@ if request.get("explanation"):  # the collector's one sentence (older stores hav
     say = st.error if request["error"] else st.warning if not request["complete"] else st.info
     say(request["explanation"], icon=":material/lightbulb:")
 
-cols = st.columns(5)
 reference = request.get("ttft_reference") or "router"
-cols[0].metric(f"TTFT (from {reference})", ui.ms_short(request["ttft_ms"]),
-               help=f"{ui.ms(request['ttft_ms'], 3)}: {ui.TTFT_REFERENCES.get(reference)}")
-cols[1].metric("Mode", request["mode"])
-cols[2].metric("Prompt tokens", ui.count(request["prompt_tokens"]))
-cols[3].metric("Rendezvous", ui.RENDEZVOUS_SHORT.get(request["rendezvous_order"], "–"),
-               help=request["rendezvous_order"] and ui.RENDEZVOUS_HELP.get(request["rendezvous_order"]))
-cols[4].metric("Complete", "yes" if request["complete"] else "no", help=request["missing"] or None)
+ui.kpis([ui.Kpi(f"TTFT (from {reference})", ui.ms_short(request["ttft_ms"]),
+                help=f"{ui.ms(request['ttft_ms'], 3)}: {ui.TTFT_REFERENCES.get(reference)}"),
+         ui.Kpi("Mode", request["mode"]),
+         ui.Kpi("Prompt tokens", ui.count(request["prompt_tokens"])),
+         ui.Kpi("Rendezvous", ui.RENDEZVOUS_SHORT.get(request["rendezvous_order"], "–"),
+                help=request["rendezvous_order"] and ui.RENDEZVOUS_HELP.get(request["rendezvous_order"])),
+         ui.Kpi("Complete", "yes" if request["complete"] else "no", help=request["missing"] or None)], columns=5)
 settings = data.settings()
 if settings.apm_url:
     st.link_button("Open in your APM", settings.apm_url.replace("{trace_id}", trace_id), icon=":material/open_in_new:")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from html.parser import HTMLParser
 
 import duckdb
 import pytest
@@ -13,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvtrace.collectors.read import PART_COLUMNS, Filters, open_store
 from kvtrace.dashboard.launch import APP as APP_PATH
-from kvtrace.dashboard.ui import markdown_text, ms, ms_short, section_key
+from kvtrace.dashboard.ui import KPI_CLASS, Kpi, kpi_html, markdown_text, ms, ms_short, section_key
 from kvtrace.dashboard.settings import ENV_APM_URL, ENV_DB
 from tests.collectors.traces import MS, build, store_of
 
@@ -73,8 +74,56 @@ def _every_section(at: AppTest, page: str) -> list[dict]:
     return list(seen.values())
 
 
+class _Tiles(HTMLParser):
+    """The KPI tiles in ``ui.kpi_html``'s markup, read back as a browser would: each tile's label, value,
+    note (its texts) and help (its label's tooltip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiles: list[Kpi] = []
+        self._tile: dict[str, str | None] = {}
+        self._part: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        part = attributes.get("class") or ""
+        if part == KPI_CLASS:
+            self._tile = {"label": "", "value": "", "note": None, "help": None}
+            self.tiles.append(self._tile)  # its parts fill it as they are read
+        elif part in (f"{KPI_CLASS}-label", f"{KPI_CLASS}-value", f"{KPI_CLASS}-note"):
+            self._part = part.removeprefix(f"{KPI_CLASS}-")
+            self._tile[self._part] = ""
+        elif self._part == "label" and attributes.get("title"):
+            self._tile["help"] = attributes["title"]
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "div":
+            self._part = None
+
+    def handle_data(self, text: str) -> None:
+        if self._part:
+            self._tile[self._part] += text
+
+
+def _kpis(at: AppTest) -> list[Kpi]:
+    parser = _Tiles()
+    for element in at.get("html"):
+        parser.feed(element.proto.body)
+    return [Kpi(**tile) for tile in parser.tiles]
+
+
 def _metrics(at: AppTest) -> dict[str, str]:
-    return {m.label: m.value for m in at.metric}
+    """The page's KPI tiles, label -> value as shown."""
+    return {kpi.label: kpi.value for kpi in _kpis(at)}
+
+
+def test_kpi_tiles_show_their_texts_escaped():
+    tiles = [Kpi("TTFT <p50>", "1.2 s", help='he said "slow" & left', note="p90 <b>2 s</b>"),
+             Kpi("Requests", "1,000")]
+    parser = _Tiles()
+    parser.feed(kpi_html(tiles, columns=3))
+    assert [Kpi(**tile) for tile in parser.tiles] == tiles  # every text back as given: escaped, not markup
+    assert "<b>" not in kpi_html(tiles) and "repeat(3," in kpi_html(tiles, columns=3)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -136,6 +185,8 @@ def test_overview_numbers_are_the_stores(monkeypatch, stores):
     assert metrics["Requests"] == f"{k['requests']:,}" == "10"
     assert metrics["TTFT p50"] == f"{k['ttft_p50_ms']:.3g} ms"  # three significant digits: the column is narrow
     assert metrics["Incomplete"] == "1" and metrics["Failed"] == "1"
+    p50 = next(kpi for kpi in _kpis(at) if kpi.label == "TTFT p50")
+    assert p50.help == ms(k["ttft_p50_ms"])  # to 0.1 ms on hover
     by_mode = {r["mode"]: r for r in open_store(stores["mixed"]).parts_by_mode(Filters()).to_pylist()}
     parts = _figures(at)[0]  # mean ms by mode, each part's share inside its bar
     for trace in parts["data"]:
@@ -418,8 +469,10 @@ def test_stages_and_decode_say_when_their_percentiles_are_estimates(monkeypatch,
     assert any("Durations: percentiles exact" in c.value for c in at.caption)
     at = _app(monkeypatch, db, "decode")
     assert any("percentiles exact" in c.value for c in at.caption)
-    tpot = {r["mode"]: r["tpot_p50_ms"] for r in open_store(db).decode_smoothness(Filters())}
-    assert _metrics(at)["push TPOT p50"] == ms_short(tpot["push"])
+    smoothness = {r["mode"]: r for r in open_store(db).decode_smoothness(Filters())}
+    push = next(kpi for kpi in _kpis(at) if kpi.label == "push TPOT p50")
+    assert push.value == ms_short(smoothness["push"]["tpot_p50_ms"])
+    assert push.note.startswith(f"p90 {ms_short(smoothness['push']['tpot_p90_ms'])} · connector on the loop ")
 
     monkeypatch.setattr(reader_module, "EXACT_QUANTILES_UP_TO", 3)  # 6 requests: above the bound
     db = store_of(tmp_path / "many.duckdb", builts)

@@ -23,7 +23,7 @@ import pytest
 from playwright import sync_api as playwright
 
 from kvtrace.dashboard.server import BACKEND_BASE
-from kvtrace.dashboard.ui import ms_short
+from kvtrace.dashboard.ui import KPI_CLASS, ms_short
 from kvtrace.collectors.read import Filters, open_store
 from kvtrace.testbed.launch import free_port
 from kvtrace.testbed.synthetic import Generator, Workload
@@ -210,16 +210,15 @@ def test_the_page_computes_where_the_server_is(browser, here, served, base, expe
 
 
 def _cut_kpis(page) -> list[str]:
-    """KPI values wider than their column (Streamlit cuts them off with an ellipsis)."""
-    return page.eval_on_selector_all("[data-testid='stMetricValue'], [data-testid='stMetricValue'] *",
+    """KPI values wider than their column (cut off with an ellipsis)."""
+    return page.eval_on_selector_all(f".{KPI_CLASS}-value",
                                      "elements => elements.filter(e => e.scrollWidth > e.clientWidth + 1)"
                                      ".map(e => e.innerText)")
 
 
 def test_a_request_sent_after_the_page_loaded_appears_within_the_refresh(live, page):
     page.goto(live["ui"])
-    requests = page.locator("[data-testid='stMetric']").filter(has_text="Requests").locator(
-        "[data-testid='stMetricValue']")
+    requests = page.locator(f".{KPI_CLASS}").filter(has_text="Requests").locator(f".{KPI_CLASS}-value")
     requests.wait_for(timeout=60_000)
     before = int(requests.inner_text().replace(",", ""))
     built = build("push")
@@ -245,8 +244,8 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     page.set_viewport_size({"width": 1280, "height": 900})
     page.wait_for_timeout(1_000)
     assert not _cut_kpis(page), f"KPI values cut off at 1280 px: {_cut_kpis(page)}"
-    ttft = page.locator("[data-testid='stMetric']").filter(has_text="TTFT (from router)").locator(
-        "[data-testid='stMetricValue']").inner_text()
+    ttft = page.locator(f".{KPI_CLASS}").filter(has_text="TTFT (from router)").locator(
+        f".{KPI_CLASS}-value").inner_text()
     request = live["reader"].trace(trace_id)["request"]
     assert ttft == ms_short(request["ttft_ms"])  # the deep link's trace
     assert request["explanation"]  # the collector's sentence, shown above everything else
@@ -259,7 +258,7 @@ def test_trace_page_deep_link_and_apm_link(live, page):
 
 def test_the_overviews_own_path_opens_the_overview(live, page):
     page.goto(f"{live['ui']}/overview")
-    page.locator("[data-testid='stMetric']").filter(has_text="TTFT p50").wait_for(timeout=60_000)
+    page.locator(f".{KPI_CLASS}").filter(has_text="TTFT p50").wait_for(timeout=60_000)
     assert page.get_by_text("Page not found").count() == 0
     assert page.locator("[data-testid='stException']").count() == 0
 
