@@ -4,6 +4,7 @@ and how. The page's script itself runs in Chromium (test_browser.py), on the rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -119,9 +120,20 @@ def test_kvtrace_dashboard_stops_its_server_at_once_and_cleanly(tmp_path, sig):
                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        assert wait_until(lambda: psutil.Process(process.pid).children(), 30)
-        server = psutil.Process(process.pid).children()
-        assert wait_until(lambda: any(c.laddr.port == port for s in server for c in s.net_connections("tcp")), 60)
+        def listening() -> list[psutil.Process]:
+            """The child serving ``port``. A child gone meanwhile is skipped: the test once died here of
+            NoSuchProcess, with nothing said about why the server had gone (now it fails with its output)."""
+            found = []
+            for child in psutil.Process(process.pid).children():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if any(c.laddr.port == port for c in child.net_connections("tcp")):
+                        found.append(child)
+            return found
+
+        if not wait_until(lambda: listening() or process.poll() is not None, 60) or process.poll() is not None:
+            process.kill()
+            pytest.fail(f"kvtrace dashboard's server never listened on {port}: {process.communicate()[0]}")
+        server = listening()
         stopped = time.monotonic()
         process.send_signal(getattr(signal, sig))
         output, _ = process.communicate(timeout=30)
