@@ -7,6 +7,9 @@ _ = object()
 _.daemon_threads, protocol_version, disable_nagle_algorithm, _.log_message, _.do_GET, _.do_POST
 _.close_connection
 
+# html.parser's callbacks (the KPI tiles' reader in tests/dashboard/test_app.py)
+_.handle_starttag, _.handle_endtag, _.handle_data
+
 # Wrappers installed by name: ``_wrap<method>`` wraps the vLLM worker's or scheduler's ``<method>``
 # (``getattr(self, f"_wrap{name}")`` in connector/worker_tracing.py; push_rendezvous.py is its mixin)
 _._wrap_send_registration_to_p, _._wrap_do_send_reg_notif, _._wrap_handle_push_reg_notif
