@@ -10,17 +10,30 @@ f, options = ui.page("Trace", "One request on the router's clock (P's, behind an
                      "that timed it, the critical path in black, and its TTFT split into parts that add up.")
 
 slowest = data.slowest(f, 20).to_pylist()
-trace_id = st.query_params.get("trace_id", "")
 choices = [r["trace_id"] for r in slowest]
+trace_id = st.query_params.get("trace_id", "") or (choices[0] if choices else "")
+if trace_id and st.query_params.get("trace_id") != trace_id:
+    st.query_params["trace_id"] = trace_id  # the page's URL names the trace it shows
 if trace_id and trace_id not in choices:
     choices.insert(0, trace_id)
-picked = st.selectbox("Trace (the slowest under the filters, or ?trace_id= in the URL)", choices,
-                      index=choices.index(trace_id) if trace_id in choices else 0 if choices else None,
-                      format_func=lambda t: next((f"{t} · {r['mode']} · TTFT {r['ttft_ms']:.1f} ms" for r in slowest
-                                                  if r["trace_id"] == t), t))
-if picked and picked != trace_id:
-    st.query_params["trace_id"] = picked
-    trace_id = picked
+
+
+def summary(t: str) -> str:
+    return next((f"{t} · {r['mode']} · TTFT {r['ttft_ms']:.1f} ms" for r in slowest if r["trace_id"] == t), t)
+
+
+def show(key: str) -> None:
+    st.query_params["trace_id"] = st.session_state[key]
+
+
+# The picker waits in a popover: a select box drawn with the page cost its warm first chart ~70 ms in
+# Chromium (bench/dashboard_ab.py, README "At a million requests"); the popover's button names the trace.
+# One widget key per trace shown, so that a deep link's trace is the one the opened list starts on.
+if choices:
+    with st.popover(summary(trace_id), icon=":material/swap_vert:"):
+        picker = f"trace_pick:{trace_id}"
+        st.selectbox("Trace (the slowest under the filters, or ?trace_id= in the URL)", choices,
+                     index=choices.index(trace_id), format_func=summary, key=picker, on_change=show, args=(picker,))
 
 found = data.trace_view(trace_id) if trace_id else None
 if found is None:

@@ -293,6 +293,23 @@ def test_a_trace_deep_link_shows_its_waterfall_and_breakdown(monkeypatch, stores
             "D · writer thread"} <= lanes
 
 
+def test_the_trace_picker_waits_in_a_popover_named_by_the_trace_it_shows(monkeypatch, stores):
+    at = _app(monkeypatch, stores["mixed"], "trace")  # no trace in the URL: the slowest, and the URL names it
+    slowest = open_store(stores["mixed"]).slowest(Filters(), 20).to_pylist()
+    first, other = slowest[0], slowest[-1]
+    assert at.query_params["trace_id"] == first["trace_id"]
+    (popover,) = at.main.get("popover")
+    assert popover.proto.popover.label.startswith(first["trace_id"])  # its button names the trace shown
+    (picker,) = popover.selectbox  # the select box is inside it, on the trace shown
+    assert picker.value == first["trace_id"] and len(picker.options) == len(slowest)
+    picker.set_value(other["trace_id"]).run()  # picked: the URL, the button and the tiles follow
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.query_params["trace_id"] == other["trace_id"]
+    assert at.main.get("popover")[0].proto.popover.label.startswith(other["trace_id"])
+    assert at.main.get("popover")[0].selectbox[0].value == other["trace_id"]
+    assert _metrics(at)["TTFT (from router)"] == ms_short(other["ttft_ms"])
+
+
 def test_an_unknown_trace_says_so(monkeypatch, stores):
     at = _app(monkeypatch, stores["mixed"], "trace", trace_id="0" * 32)
     assert "No request with trace id" in at.warning[0].value

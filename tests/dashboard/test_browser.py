@@ -256,6 +256,23 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     assert not page.outside, page.outside
 
 
+def test_trace_picker_opens_from_its_popover_and_shows_the_trace_picked(live, page):
+    first = live["reader"].slowest(Filters(), 1).to_pylist()[0]["trace_id"]
+    page.goto(f"{live['ui']}/trace?trace_id={first}")
+    page.wait_for_selector(".main-svg", timeout=60_000)
+    page.get_by_role("button", name=re.compile(first)).click()  # the popover, named by the trace shown
+    page.get_by_test_id("stPopoverBody").get_by_test_id("stSelectbox").click()  # its list: the slowest
+    option = page.get_by_role("option").filter(has_not_text=first).first
+    other = option.inner_text().split(" · ")[0]
+    option.click()
+    page.wait_for_url(re.compile(f"trace_id={other}"), timeout=30_000)
+    page.get_by_role("button", name=re.compile(other)).wait_for(timeout=30_000)
+    ttft = page.locator(f".{KPI_CLASS}").filter(has_text="TTFT (from router)").locator(f".{KPI_CLASS}-value")
+    expected = ms_short(live["reader"].trace(other)["request"]["ttft_ms"])
+    assert wait_until(lambda: ttft.inner_text() == expected, 30), (ttft.inner_text(), expected)
+    assert not page.outside, page.outside
+
+
 def test_the_overviews_own_path_opens_the_overview(live, page):
     page.goto(f"{live['ui']}/overview")
     page.locator(f".{KPI_CLASS}").filter(has_text="TTFT p50").wait_for(timeout=60_000)
