@@ -11,15 +11,17 @@ f, options = ui.page("Trace", "One request on the router's clock (P's, behind an
 
 slowest = data.slowest(f, 20).to_pylist()
 choices = [r["trace_id"] for r in slowest]
-trace_id = st.query_params.get("trace_id", "") or (choices[0] if choices else "")
-if trace_id and st.query_params.get("trace_id") != trace_id:
+labels = {r["trace_id"]: f"{r['trace_id']} · {r['mode']} · TTFT {r['ttft_ms']:.1f} ms" for r in slowest}
+linked = st.query_params.get("trace_id", "")
+trace_id = linked or (choices[0] if choices else "")
+if trace_id and linked != trace_id:
     st.query_params["trace_id"] = trace_id  # the page's URL names the trace it shows
 if trace_id and trace_id not in choices:
     choices.insert(0, trace_id)
 
 
 def summary(t: str) -> str:
-    return next((f"{t} · {r['mode']} · TTFT {r['ttft_ms']:.1f} ms" for r in slowest if r["trace_id"] == t), t)
+    return labels.get(t, t)
 
 
 def show(key: str) -> None:
