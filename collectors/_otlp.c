@@ -39,9 +39,17 @@
  * output on contract traces and 20,000 random ones). config = (derived, root, gap, categories,
  * coordination, unattributed, first_keys): attribution._WALK_CONFIG. A time beyond int64 raises
  * OverflowError (Python then walks it).
+ *
+ *   explain(breakdown, config) -> str
+ *
+ * The breakdown's one sentence, word for word as kvtrace.collectors.explain.explain_python (the
+ * reference; the tests hold the two to the same sentence). config = explain._NATIVE_CONFIG. A number
+ * beyond what C carries exactly raises OverflowError, a value of another type TypeError (Python then
+ * explains it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -1084,11 +1092,538 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the explanation */
+
+/* A decided trace's one sentence, word for word as kvtrace.collectors.explain.explain_python (the
+ * reference and the rules; the tests hold the two to the same sentence on contract traces of every
+ * shape and on random breakdowns). Built as UTF-8 in one buffer, whole numbers without printf: compiled
+ * Python spent ~5 µs a trace in the attributor formatting numbers and joining clauses, this ~1.5.
+ * config = explain._NATIVE_CONFIG. A number C cannot carry exactly (an int beyond int64, a quotient of
+ * ints beyond 2**53) raises OverflowError, a value of another type TypeError: Python then explains it. */
+
+#define EXACT_IN_DOUBLE (1LL << 53)
+
+typedef struct {
+    Buffer out;
+    PyObject *b, *timings, *parts, *critical, *segments;
+    int64_t start_ns, ttft_ns;
+    /* config: see explain._NATIVE_CONFIG */
+    PyObject *gap, *side_names, *templates, *phrase_keys, *transfer_ops, *prefill_side, *decode_side, *kv_first,
+        *registration_first, *unattributed;
+    double runner_up_share;
+    Py_ssize_t max_missing_named;
+} Explain;
+
+/* The Breakdown fields read, as interned str (made once: a name made per call cost more than its lookup). */
+enum {
+    F_COMPLETE, F_CRITICAL_NS, F_DECODE_INSTANCE, F_ERROR, F_ERROR_STAGE, F_ERROR_TYPE, F_MISSING, F_PARTS,
+    F_PREFILL_INSTANCE, F_PROMPT_TOKENS, F_RENDEZVOUS_ORDER, F_SEGMENTS, F_START_NS, F_TIMINGS, F_TRANSFER_BYTES,
+    F_TTFT_NS, N_FIELDS
+};
+static const char *const FIELD_NAMES[N_FIELDS] = {
+    "complete", "critical_ns", "decode_instance", "error", "error_stage", "error_type", "missing", "parts",
+    "prefill_instance", "prompt_tokens", "rendezvous_order", "segments", "start_ns", "timings", "transfer_bytes",
+    "ttft_ns"};
+static PyObject *fields[N_FIELDS];
+
+static int intern_fields(void) {
+    for (int i = 0; i < N_FIELDS; i++)
+        if (fields[i] == NULL && (fields[i] = PyUnicode_InternFromString(FIELD_NAMES[i])) == NULL) return -1;
+    return 0;
+}
+
+static PyObject *field(PyObject *b, int which) { return PyObject_GetAttr(b, fields[which]); }
+
+enum { PHRASE_PREFILL, PHRASE_RENDEZVOUS, PHRASE_REGISTRATION, PHRASE_WRITE, PHRASE_READ, N_PHRASES };
+
+static int put(Buffer *o, const char *text) { return buffer_put(o, text, (Py_ssize_t)strlen(text)); }
+
+static int put_str(Buffer *o, PyObject *text) {
+    if (!PyUnicode_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "words to explain must be str");
+        return -1;
+    }
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n); /* UnicodeEncodeError on a lone surrogate */
+    return utf8 == NULL ? -1 : buffer_put(o, utf8, n);
+}
+
+/* An integer in decimal, with a comma between each group of three digits where `grouped` (Python's
+ * "," format option); without printf, which costs more than the rest of a sentence. */
+static int put_int(Buffer *o, long long value, int grouped) {
+    char digits[32], text[48];
+    int n = 0, t = 0;
+    unsigned long long magnitude = value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value;
+    do {
+        digits[n++] = (char)('0' + magnitude % 10);
+        magnitude /= 10;
+    } while (magnitude);
+    if (value < 0) text[t++] = '-';
+    for (int i = n - 1; i >= 0; i--) {
+        text[t++] = digits[i];
+        if (grouped && i && i % 3 == 0) text[t++] = ',';
+    }
+    return buffer_put(o, text, t);
+}
+
+/* printf-style into the buffer: glibc's %f rounds the exact binary value half to even, as Python's
+ * float formatting does. */
+static int put_format(Buffer *o, const char *format, double value) {
+    char text[64];
+    int n = snprintf(text, sizeof text, format, value);
+    if (n < 0 || n >= (int)sizeof text) {
+        PyErr_SetString(PyExc_OverflowError, "a number too long to explain");
+        return -1;
+    }
+    return buffer_put(o, text, n);
+}
+
+/* "{:,.0f}": the integer nearest the double's exact value, halves to even, as %.0f and Python round it
+ * (nearbyint in the default rounding mode); every double here is far below 2**63. */
+static int put_grouped_double(Buffer *o, double value) {
+    double rounded = nearbyint(value);
+    if (rounded == 0 && signbit(value)) return put(o, "-0"); /* as Python writes -0.4 */
+    return put_int(o, (long long)rounded, 1);
+}
+
+/* explain._ms */
+static int put_ms(Buffer *o, int64_t ns) {
+    double ms = (double)ns / 1e6;
+    if (ms >= 10) return put_grouped_double(o, ms) < 0 ? -1 : put(o, " ms");
+    return put_format(o, ms >= 0.1 ? "%.1f ms" : "%.2f ms", ms);
+}
+
+/* explain._bytes */
+static int put_bytes(Buffer *o, int64_t n) {
+    double mb = (double)n / 1e6;
+    if (mb >= 1000) return put_format(o, "%.1f GB", mb / 1e3);
+    if (mb >= 10) return put_grouped_double(o, mb) < 0 ? -1 : put(o, " MB");
+    if (mb >= 0.1) return put_format(o, "%.1f MB", mb);
+    return put_format(o, "%.1f kB", (double)n / 1e3);
+}
+
+static int exact_in_double(int64_t value) {
+    if (value > -EXACT_IN_DOUBLE && value < EXACT_IN_DOUBLE) return 1;
+    PyErr_SetString(PyExc_OverflowError, "a number beyond 2**53");
+    return 0;
+}
+
+/* int / int as Python divides them: exactly what double division gives where both are exact doubles. */
+static int true_divide(int64_t a, int64_t b, double *out) {
+    if (!exact_in_double(a) || !exact_in_double(b)) return -1;
+    *out = (double)a / (double)b;
+    return 0;
+}
+
+/* explain._share: round() halves to even, as nearbyint does in the default rounding mode. */
+static int put_share(Buffer *o, int64_t part_ns, int64_t ttft_ns) {
+    int64_t hundred;
+    double share;
+    if (__builtin_mul_overflow(part_ns, (int64_t)100, &hundred)) {
+        PyErr_SetString(PyExc_OverflowError, "a share beyond int64");
+        return -1;
+    }
+    if (true_divide(hundred, ttft_ns, &share) < 0) return -1;
+    return put_int(o, (long long)nearbyint(share), 0) < 0 ? -1 : put(o, " %");
+}
+
+/* explain._stage_name: "P's prefill" */
+static int put_stage_name(Explain *e, PyObject *key) {
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a stage key must be (side, stage)");
+        return -1;
+    }
+    PyObject *side = PyTuple_GET_ITEM(key, 0), *stage = PyTuple_GET_ITEM(key, 1);
+    PyObject *name = PyDict_GetItemWithError(e->side_names, side);
+    if (name == NULL && PyErr_Occurred()) return -1;
+    if (put_str(&e->out, name != NULL ? name : side) < 0 || put(&e->out, "'s ") < 0) return -1;
+    Py_ssize_t from = e->out.len;
+    if (put_str(&e->out, stage) < 0) return -1;
+    for (Py_ssize_t i = from; i < e->out.len; i++) /* stage.replace("_", " "): '_' is never part of a UTF-8 sequence */
+        if (e->out.data[i] == '_') e->out.data[i] = ' ';
+    return 0;
+}
+
+static int equal(PyObject *a, PyObject *b) { return PyObject_RichCompareBool(a, b, Py_EQ); }
+
+/* timings[key] as (start, end, category), or 0 where the trace has no such stage. */
+static int timing_of(Explain *e, PyObject *key, int64_t *start, int64_t *end, PyObject **category) {
+    PyObject *timing = PyDict_GetItemWithError(e->timings, key);
+    if (timing == NULL) return PyErr_Occurred() ? -1 : 0;
+    return unpack_timing(timing, start, end, category) < 0 ? -1 : 1;
+}
+
+/* explain._stage_phrase */
+static int put_stage_phrase(Explain *e, PyObject *key, int64_t critical) {
+    Buffer *o = &e->out;
+    int phrase = -1;
+    for (int i = 0; i < N_PHRASES && phrase < 0; i++) {
+        int same = equal(key, PyTuple_GET_ITEM(e->phrase_keys, i));
+        if (same < 0) return -1;
+        if (same) phrase = i;
+    }
+    if (phrase == PHRASE_PREFILL) {
+        int64_t tokens;
+        if (put(o, "P's prefill") < 0) return -1;
+        PyObject *value = field(e->b, F_PROMPT_TOKENS);
+        if (value == NULL) return -1;
+        int ok = as_int64(value, &tokens);
+        Py_DECREF(value);
+        if (ok < 0) return -1;
+        if (tokens && (put(o, " of ") < 0 || put_int(o, tokens, 1) < 0 || put(o, " tokens") < 0)) return -1;
+        return put(o, " took ") < 0 ? -1 : put_ms(o, critical);
+    }
+    if (phrase == PHRASE_RENDEZVOUS || phrase == PHRASE_REGISTRATION) {
+        PyObject *order = field(e->b, F_RENDEZVOUS_ORDER);
+        if (order == NULL) return -1;
+        int kv_first = equal(order, e->kv_first);
+        int registration_first = kv_first ? 0 : equal(order, e->registration_first);
+        Py_DECREF(order);
+        if (kv_first < 0 || registration_first < 0) return -1;
+        if (phrase == PHRASE_RENDEZVOUS) {
+            if (kv_first)
+                return put(o, "the rendezvous waited ") < 0 || put_ms(o, critical) < 0 ? -1
+                       : put(o, " for D's registration (P's blocks were ready first)");
+            if (put(o, "the rendezvous took ") < 0 || put_ms(o, critical) < 0) return -1;
+            return registration_first ? put(o, " after D's registration had arrived") : 0;
+        }
+        if (put(o, "D's registration took ") < 0 || put_ms(o, critical) < 0 || put(o, " to reach P") < 0) return -1;
+        if (!kv_first) return 0;
+        int64_t start, end, waited;
+        int found = timing_of(e, PyTuple_GET_ITEM(e->phrase_keys, PHRASE_RENDEZVOUS), &start, &end, NULL);
+        if (found <= 0) return found;
+        if (__builtin_sub_overflow(end, start, &waited)) {
+            PyErr_SetString(PyExc_OverflowError, "a time beyond int64");
+            return -1;
+        }
+        return put(o, ", whose finished blocks waited ") < 0 || put_ms(o, waited) < 0 ? -1
+               : put(o, " for it at the rendezvous");
+    }
+    if (phrase == PHRASE_WRITE || phrase == PHRASE_READ) {
+        int64_t size, start, end, took;
+        PyObject *value = field(e->b, F_TRANSFER_BYTES);
+        if (value == NULL) return -1;
+        int ok = as_int64(value, &size);
+        Py_DECREF(value);
+        if (ok < 0 || put(o, "the NIXL ") < 0 ||
+            put_str(o, PyTuple_GET_ITEM(e->transfer_ops, phrase == PHRASE_WRITE ? 0 : 1)) < 0)
+            return -1;
+        if (!size) return put(o, " took ") < 0 ? -1 : put_ms(o, critical);
+        int found = timing_of(e, key, &start, &end, NULL);
+        if (found <= 0) {
+            if (found == 0) PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        double rate;
+        if (__builtin_sub_overflow(end, start, &took)) {
+            PyErr_SetString(PyExc_OverflowError, "a time beyond int64");
+            return -1;
+        }
+        if (true_divide(size, took > 1 ? took : 1, &rate) < 0) return -1; /* bytes per ns = GB/s */
+        if (put(o, " of ") < 0 || put_bytes(o, size) < 0 || put(o, " took ") < 0 || put_ms(o, critical) < 0 ||
+            put(o, " (") < 0)
+            return -1;
+        if ((rate >= 0.1 ? put_format(o, "%.2f GB/s", rate) : put_format(o, "%.1f MB/s", rate * 1e3)) < 0) return -1;
+        return put(o, ")");
+    }
+    PyObject *template = PyDict_GetItemWithError(e->templates, key); /* (before "{ms}", after it) */
+    if (template == NULL && PyErr_Occurred()) return -1;
+    if (template != NULL)
+        return put_str(o, PyTuple_GET_ITEM(template, 0)) < 0 || put_ms(o, critical) < 0 ? -1
+               : put_str(o, PyTuple_GET_ITEM(template, 1));
+    return put_stage_name(e, key) < 0 || put(o, " took ") < 0 ? -1 : put_ms(o, critical); /* outside the contract */
+}
+
+/* explain._longest_gap */
+static int put_longest_gap(Explain *e) {
+    Py_ssize_t n = PyList_GET_SIZE(e->segments), gaps = 0, at = -1;
+    int64_t widest = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *segment = PyList_GET_ITEM(e->segments, i);
+        if (!PyTuple_Check(segment) || PyTuple_GET_SIZE(segment) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a segment must be (key, start, end)");
+            return -1;
+        }
+        int is_gap = equal(PyTuple_GET_ITEM(segment, 0), e->gap);
+        if (is_gap < 0) return -1;
+        if (!is_gap) continue;
+        int64_t start, end, width;
+        if (as_int64(PyTuple_GET_ITEM(segment, 1), &start) < 0 || as_int64(PyTuple_GET_ITEM(segment, 2), &end) < 0)
+            return -1;
+        if (__builtin_sub_overflow(end, start, &width)) {
+            PyErr_SetString(PyExc_OverflowError, "a time beyond int64");
+            return -1;
+        }
+        gaps++;
+        if (at < 0 || width >= widest) { /* the widest; of equals, the last (max() over (width, index)) */
+            widest = width;
+            at = i;
+        }
+    }
+    if (!gaps) return 0;
+    PyObject *before = at > 0 ? PyTuple_GET_ITEM(PyList_GET_ITEM(e->segments, at - 1), 0) : NULL;
+    PyObject *after = at + 1 < n ? PyTuple_GET_ITEM(PyList_GET_ITEM(e->segments, at + 1), 0) : NULL;
+    int has_before = before != NULL ? PyObject_IsTrue(before) : 0;
+    int has_after = after != NULL ? PyObject_IsTrue(after) : 0;
+    if (has_before < 0 || has_after < 0) return -1;
+    if (!has_before && !has_after) return 0;
+    Buffer *o = &e->out;
+    if (gaps > 1 && (put(o, " (the longest, ") < 0 || put_ms(o, widest) < 0 || put(o, ", ") < 0)) return -1;
+    if (gaps == 1 && put(o, " (") < 0) return -1;
+    if (has_before && has_after) {
+        if (put(o, "between ") < 0 || put_stage_name(e, before) < 0 || put(o, " and ") < 0 ||
+            put_stage_name(e, after) < 0)
+            return -1;
+    } else if (has_before) {
+        if (put(o, "after ") < 0 || put_stage_name(e, before) < 0) return -1;
+    } else if (put(o, "before ") < 0 || put_stage_name(e, after) < 0) {
+        return -1;
+    }
+    return put(o, ")");
+}
+
+/* explain._part_clause */
+static int put_part_clause(Explain *e, PyObject *part, int64_t part_ns) {
+    Buffer *o = &e->out;
+    if (put_share(o, part_ns, e->ttft_ns) < 0) return -1;
+    int unattributed = equal(part, e->unattributed);
+    if (unattributed < 0) return -1;
+    if (unattributed)
+        return put(o, " unattributed: no span covers ") < 0 || put_ms(o, part_ns) < 0 ||
+               put(o, " of the critical path") < 0 ? -1 : put_longest_gap(e);
+    if (put(o, " ") < 0 || put_str(o, part) < 0) return -1;
+    PyObject *key, *value, *best_key = NULL;
+    int64_t best = 0;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(e->critical, &pos, &key, &value)) { /* max((critical, key)) over the part's stages on the path */
+        int64_t critical, start, end;
+        PyObject *category;
+        if (as_int64(value, &critical) < 0) return -1;
+        if (critical <= 0) continue;
+        int found = timing_of(e, key, &start, &end, &category);
+        if (found < 0) return -1;
+        if (!found) continue;
+        int same = equal(category, part);
+        if (same < 0) return -1;
+        if (!same) continue;
+        int later = 0;
+        if (best_key != NULL && critical == best && (later = PyObject_RichCompareBool(key, best_key, Py_GT)) < 0)
+            return -1;
+        if (best_key == NULL || critical > best || later) {
+            best_key = key;
+            best = critical;
+        }
+    }
+    if (best_key == NULL) return 0;
+    return put(o, ": ") < 0 ? -1 : put_stage_phrase(e, best_key, best);
+}
+
+/* explain._failed */
+static int put_failed(Explain *e) {
+    Buffer *o = &e->out;
+    PyObject *stage = field(e->b, F_ERROR_STAGE), *cause = NULL;
+    int result = -1, has_stage, has_cause;
+    if (stage == NULL || (has_stage = PyObject_IsTrue(stage)) < 0) goto done;
+    if (put(o, "Failed: ") < 0) goto done;
+    if (has_stage ? put_stage_name(e, stage) < 0 || put(o, " ended in error") < 0 : put(o, "a span ended in error") < 0)
+        goto done;
+    if ((cause = field(e->b, F_ERROR_TYPE)) == NULL || (has_cause = PyObject_IsTrue(cause)) < 0)
+        goto done;
+    if (has_cause && (put(o, " (") < 0 || put_str(o, cause) < 0 || put(o, ")") < 0)) goto done;
+    if (has_stage) {
+        int64_t start, end, into;
+        int found = timing_of(e, stage, &start, &end, NULL);
+        if (found < 0) goto done;
+        if (found) {
+            if (__builtin_sub_overflow(end, e->start_ns, &into)) {
+                PyErr_SetString(PyExc_OverflowError, "a time beyond int64");
+                goto done;
+            }
+            if (put(o, " ") < 0 || put_ms(o, into > 0 ? into : 0) < 0 || put(o, " in") < 0) goto done;
+        }
+    }
+    result = put(o, ".");
+done:
+    Py_XDECREF(stage);
+    Py_XDECREF(cause);
+    return result;
+}
+
+/* explain._missing */
+static int put_missing(Explain *e) {
+    Buffer *o = &e->out;
+    PyObject *sides[2] = {e->prefill_side, e->decode_side}, *absent[2] = {NULL, NULL};
+    int instances[2] = {F_PREFILL_INSTANCE, F_DECODE_INSTANCE};
+    Py_ssize_t n_absent = 0, said = 0;
+    for (int i = 0; i < 2; i++) {
+        PyObject *instance = field(e->b, instances[i]);
+        if (instance == NULL) return -1;
+        int has = PyObject_IsTrue(instance);
+        Py_DECREF(instance);
+        if (has < 0) return -1;
+        if (!has) absent[n_absent++] = sides[i];
+    }
+    for (Py_ssize_t i = 0; i < n_absent; i++) {
+        PyObject *name = PyDict_GetItemWithError(e->side_names, absent[i]);
+        if (name == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, absent[i]);
+            return -1;
+        }
+        if ((said++ && put(o, " and ") < 0) || put(o, "no span from ") < 0 || put_str(o, name) < 0 ||
+            put(o, " arrived") < 0)
+            return -1;
+    }
+    PyObject *missing = field(e->b, F_MISSING), *list = NULL;
+    if (missing == NULL) return -1;
+    list = PySequence_Fast(missing, "missing must be a sequence");
+    Py_DECREF(missing);
+    if (list == NULL) return -1;
+    Py_ssize_t named = 0;
+    int more = 0, result = -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(list); i++) {
+        PyObject *stage = PySequence_Fast_GET_ITEM(list, i);
+        if (!PyUnicode_Check(stage)) {
+            PyErr_SetString(PyExc_TypeError, "a missing stage must be str");
+            goto done;
+        }
+        Py_ssize_t colon = PyUnicode_FindChar(stage, ':', 0, PyUnicode_GET_LENGTH(stage), 1);
+        if (colon == -2) goto done;
+        PyObject *side = PyUnicode_Substring(stage, 0, colon >= 0 ? colon : PyUnicode_GET_LENGTH(stage));
+        if (side == NULL) goto done;
+        int of_absent = 0;
+        for (Py_ssize_t a = 0; a < n_absent && !of_absent; a++)
+            if ((of_absent = equal(side, absent[a])) < 0) break;
+        Py_DECREF(side);
+        if (of_absent < 0) goto done;
+        if (of_absent) continue;
+        if (named == e->max_missing_named) {
+            more = 1;
+            break;
+        }
+        if (put(o, named ? ", " : said ? " and " : "") < 0 || put_str(o, stage) < 0) goto done;
+        named++;
+    }
+    if (more && put(o, " \xe2\x80\xa6") < 0) goto done; /* " …" */
+    if (named && put(o, " never arrived") < 0) goto done;
+    result = 0;
+done:
+    Py_DECREF(list);
+    return result;
+}
+
+static int int_field(PyObject *b, int which, int64_t *out) {
+    PyObject *value = field(b, which);
+    if (value == NULL) return -1;
+    int ok = as_int64(value, out);
+    Py_DECREF(value);
+    return ok;
+}
+
+static int truth_field(PyObject *b, int which) {
+    PyObject *value = field(b, which);
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *dict_field(PyObject *b, int which) {
+    PyObject *value = field(b, which);
+    if (value != NULL && !PyDict_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a dict", FIELD_NAMES[which]);
+        Py_CLEAR(value);
+    }
+    return value;
+}
+
+static PyObject *explain(PyObject *self, PyObject *args) {
+    Explain e = {{0}};
+    PyObject *config, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OO!", &e.b, &PyTuple_Type, &config) || intern_fields() < 0) return NULL;
+    if (!PyArg_ParseTuple(config, "OO!O!O!O!OOOOOdn", &e.gap, &PyDict_Type, &e.side_names, &PyDict_Type,
+                          &e.templates, &PyTuple_Type, &e.phrase_keys, &PyTuple_Type, &e.transfer_ops, &e.prefill_side,
+                          &e.decode_side, &e.kv_first, &e.registration_first, &e.unattributed, &e.runner_up_share,
+                          &e.max_missing_named))
+        return NULL;
+    if (PyTuple_GET_SIZE(e.phrase_keys) != N_PHRASES || PyTuple_GET_SIZE(e.transfer_ops) != 2) {
+        PyErr_SetString(PyExc_ValueError, "five phrase keys and two transfer operations");
+        return NULL;
+    }
+    int error = truth_field(e.b, F_ERROR);
+    if (error < 0) return NULL;
+    if ((e.timings = dict_field(e.b, F_TIMINGS)) == NULL) goto done;
+    if (int_field(e.b, F_START_NS, &e.start_ns) < 0) goto done;
+    if (error) {
+        if (put_failed(&e) < 0) goto done;
+        result = PyUnicode_DecodeUTF8(e.out.data, e.out.len, "strict");
+        goto done;
+    }
+    if ((e.parts = dict_field(e.b, F_PARTS)) == NULL || (e.critical = dict_field(e.b, F_CRITICAL_NS)) == NULL ||
+        int_field(e.b, F_TTFT_NS, &e.ttft_ns) < 0)
+        goto done;
+    e.segments = field(e.b, F_SEGMENTS);
+    if (e.segments == NULL) goto done;
+    if (!PyList_Check(e.segments)) {
+        PyErr_SetString(PyExc_TypeError, "segments must be a list");
+        goto done;
+    }
+    /* the two largest parts over zero, as sorted(((ns, part) ...), reverse=True) ranks them */
+    PyObject *key, *value, *first = NULL, *second = NULL;
+    int64_t first_ns = 0, second_ns = 0;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(e.parts, &pos, &key, &value)) {
+        int64_t ns;
+        if (as_int64(value, &ns) < 0) goto done;
+        if (ns <= 0) continue;
+        int above_first = first == NULL || ns > first_ns, above_second = second == NULL || ns > second_ns;
+        if (!above_first && ns == first_ns && (above_first = PyObject_RichCompareBool(key, first, Py_GT)) < 0)
+            goto done;
+        if (!above_first && !above_second && ns == second_ns &&
+            (above_second = PyObject_RichCompareBool(key, second, Py_GT)) < 0)
+            goto done;
+        if (above_first) {
+            second = first, second_ns = first_ns;
+            first = key, first_ns = ns;
+        } else if (above_second) {
+            second = key, second_ns = ns;
+        }
+    }
+    int complete = truth_field(e.b, F_COMPLETE);
+    if (complete < 0) goto done;
+    if (!complete) {
+        if (put(&e.out, "Incomplete: ") < 0 || put_missing(&e) < 0) goto done;
+        if (first != NULL && e.ttft_ns > 0 &&
+            (put(&e.out, "; of ") < 0 || put_ms(&e.out, e.ttft_ns) < 0 || put(&e.out, " seen, ") < 0 ||
+             put_part_clause(&e, first, first_ns) < 0))
+            goto done;
+    } else if (first == NULL || e.ttft_ns <= 0) {
+        if (put(&e.out, "No time to explain: the trace has no TTFT") < 0) goto done;
+    } else {
+        if (put_part_clause(&e, first, first_ns) < 0) goto done;
+        if (second != NULL) {
+            if (!exact_in_double(second_ns)) goto done; /* compared as Python compares an int with a float */
+            if ((double)second_ns >= e.runner_up_share * (double)e.ttft_ns &&
+                (put(&e.out, "; ") < 0 || put_part_clause(&e, second, second_ns) < 0))
+                goto done;
+        }
+    }
+    if (put(&e.out, ".") < 0) goto done;
+    result = PyUnicode_DecodeUTF8(e.out.data, e.out.len, "strict");
+done:
+    PyMem_Free(e.out.data);
+    Py_XDECREF(e.timings);
+    Py_XDECREF(e.parts);
+    Py_XDECREF(e.critical);
+    Py_XDECREF(e.segments);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Decode an OTLP ExportTraceServiceRequest: (rows, origins, columns)."},
     {"attributes", attributes, METH_VARARGS, "Span.attributes entries for the keys whose value is not None."},
     {"stage_columns", stage_columns, METH_VARARGS, "The requests' per-stage list columns, packed."},
     {"walk", walk, METH_VARARGS, "(parts, critical, segments): the critical path from end back to start."},
+    {"explain", explain, METH_VARARGS, "A decided trace's breakdown in one sentence."},
     {NULL, NULL, 0, NULL},
 };
 
