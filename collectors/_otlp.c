@@ -40,6 +40,13 @@
  * coordination, unattributed, first_keys): attribution._WALK_CONFIG. A time beyond int64 raises
  * OverflowError (Python then walks it).
  *
+ *   index_spans(spans, config) -> (index, first_of, ranks, failed, mode, p_any, d_any, client)
+ *   timings_of(index, offsets, stage_category, unlisted) -> timings
+ *
+ * A trace's spans indexed for its attribution, and each indexed stage's timing on the reference clock:
+ * step for step as kvtrace.collectors.attribution.index_spans_python and timings_of_python (the
+ * references; the tests hold them to the same output on contract traces and 5,000 hostile ones).
+ *
  *   explain(breakdown, config) -> str
  *
  * The breakdown's one sentence, word for word as kvtrace.collectors.explain.explain_python (the
@@ -1092,6 +1099,213 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ a trace's spans, indexed */
+
+/* model.SpanRow's fields read here */
+enum { ROW_NAME = 3, ROW_START = 4, ROW_END = 5, ROW_STATUS = 6, ROW_ORIGIN = 7, ROW_STAGE = 8 };
+
+static PyObject *origin_instance, *origin_side, *origin_mode; /* interned attribute names of model.Origin */
+static PyObject *empty_mode; /* "": a trace's mode until a sender names one */
+
+/* An Origin's instance, side and mode (new references); spans of one sender share their Origin. */
+typedef struct {
+    PyObject *origin, *instance, *side, *mode;
+} SpanOrigin;
+
+static void span_origin_clear(SpanOrigin *s) {
+    Py_CLEAR(s->instance);
+    Py_CLEAR(s->side);
+    Py_CLEAR(s->mode);
+    s->origin = NULL;
+}
+
+static int span_origin_of(SpanOrigin *s, PyObject *origin) {
+    if (origin == s->origin) return 0;
+    span_origin_clear(s);
+    if ((s->instance = PyObject_GetAttr(origin, origin_instance)) == NULL ||
+        (s->side = PyObject_GetAttr(origin, origin_side)) == NULL ||
+        (s->mode = PyObject_GetAttr(origin, origin_mode)) == NULL)
+        return -1;
+    s->origin = origin;
+    return 0;
+}
+
+static int earlier(PyObject *span, PyObject *than) {
+    return PyObject_RichCompareBool(PyTuple_GET_ITEM(span, ROW_START), PyTuple_GET_ITEM(than, ROW_START), Py_LT);
+}
+
+static PyObject *instance_of_row(PyObject *span) { /* a new reference */
+    return PyObject_GetAttr(PyTuple_GET_ITEM(span, ROW_ORIGIN), origin_instance);
+}
+
+/*   index_spans(spans, config) -> (index, first_of, ranks, failed, mode, p_any, d_any, client)
+ *
+ * attribution.index_spans_python, step for step (the reference; the tests hold the two to the same
+ * output). config = attribution._INDEX_CONFIG: (client span name, STAGE_KEYS, contract sides, P's
+ * side, D's side). */
+static PyObject *index_spans(PyObject *self, PyObject *args) {
+    PyObject *spans, *config, *client_name, *stage_keys, *contract_sides, *prefill, *decode;
+    if (!PyArg_ParseTuple(args, "OO!", &spans, &PyTuple_Type, &config)) return NULL;
+    if (!PyArg_ParseTuple(config, "UO!O!UU", &client_name, &PyDict_Type, &stage_keys, &PyFrozenSet_Type,
+                          &contract_sides, &prefill, &decode))
+        return NULL;
+    if (empty_mode == NULL && ((origin_instance = PyUnicode_InternFromString("instance")) == NULL ||
+                               (origin_side = PyUnicode_InternFromString("side")) == NULL ||
+                               (origin_mode = PyUnicode_InternFromString("mode")) == NULL ||
+                               (empty_mode = PyUnicode_FromString("")) == NULL))
+        return NULL;
+    PyObject *rows = PySequence_Fast(spans, "spans must be a sequence"), *result = NULL, *key = NULL;
+    if (rows == NULL) return NULL;
+    PyObject *index = PyDict_New(), *first_of = PyDict_New(), *ranks = PyDict_New();
+    /* borrowed: the spans, their Origins (mode) and config (the empty mode) hold them */
+    PyObject *failed = Py_None, *mode = empty_mode, *p_any = Py_None, *d_any = Py_None, *client = Py_None;
+    SpanOrigin sender = {0};
+    if (index == NULL || first_of == NULL || ranks == NULL) goto done;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(rows); i++) {
+        PyObject *span = PySequence_Fast_GET_ITEM(rows, i);
+        if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) < ROW_FIELDS) {
+            PyErr_SetString(PyExc_TypeError, "a span must be a model.SpanRow");
+            goto done;
+        }
+        int is_client = PyObject_RichCompareBool(PyTuple_GET_ITEM(span, ROW_NAME), client_name, Py_EQ);
+        if (is_client < 0) goto done;
+        if (is_client) { /* the load generator's view: read, but not a stage */
+            client = span;
+            continue;
+        }
+        if (span_origin_of(&sender, PyTuple_GET_ITEM(span, ROW_ORIGIN)) < 0) goto done;
+        PyObject *known = PyDict_GetItemWithError(first_of, sender.instance);
+        if (known == NULL && PyErr_Occurred()) goto done;
+        int is_earlier = known == NULL ? 1 : earlier(span, known);
+        if (is_earlier < 0 || (is_earlier && PyDict_SetItem(first_of, sender.instance, span) < 0)) goto done;
+        Py_XSETREF(key, PyTuple_Pack(2, sender.side, PyTuple_GET_ITEM(span, ROW_STAGE)));
+        if (key == NULL) goto done;
+        PyObject *same = PyDict_GetItemWithError(stage_keys, key); /* the contract's object for it */
+        if (same == NULL && PyErr_Occurred()) goto done;
+        if (same != NULL) Py_SETREF(key, Py_NewRef(same));
+        PyObject *seen = PyDict_GetItemWithError(index, key);
+        if (seen == NULL) {
+            if (PyErr_Occurred() || PyDict_SetItem(index, key, span) < 0) goto done;
+        } else {
+            PyObject *seen_instance = instance_of_row(seen);
+            if (seen_instance == NULL) goto done;
+            int one_process = PyObject_RichCompareBool(seen_instance, sender.instance, Py_EQ), contract = 1, ranked;
+            if (one_process == 0) contract = PySet_Contains(contract_sides, sender.side);
+            ranked = one_process < 0 || contract < 0 ? -1 : PyDict_Contains(ranks, key);
+            if (ranked < 0) {
+                Py_DECREF(seen_instance);
+                goto done;
+            }
+            if ((one_process || !contract) && !ranked) { /* a stage repeated (preemption): its first time counts */
+                Py_DECREF(seen_instance);
+                int first = earlier(span, seen);
+                if (first < 0 || (first && PyDict_SetItem(index, key, span) < 0)) goto done;
+            } else { /* another process of the side recorded it too (a TP rank): keep each one's first */
+                PyObject *by_rank = PyDict_GetItemWithError(ranks, key);
+                if (by_rank == NULL) {
+                    if (PyErr_Occurred() || (by_rank = PyDict_New()) == NULL) {
+                        Py_DECREF(seen_instance);
+                        goto done;
+                    }
+                    int stored = PyDict_SetItem(by_rank, seen_instance, seen);
+                    if (stored == 0) stored = PyDict_SetItem(ranks, key, by_rank);
+                    Py_DECREF(by_rank); /* ranks holds it */
+                    if (stored < 0) {
+                        Py_DECREF(seen_instance);
+                        goto done;
+                    }
+                }
+                Py_DECREF(seen_instance);
+                PyObject *mine = PyDict_GetItemWithError(by_rank, sender.instance);
+                if (mine == NULL && PyErr_Occurred()) goto done;
+                int first = mine == NULL ? 1 : earlier(span, mine);
+                if (first < 0 || (first && PyDict_SetItem(by_rank, sender.instance, span) < 0)) goto done;
+                first = earlier(span, seen);
+                if (first < 0 || (first && PyDict_SetItem(index, key, span) < 0)) goto done;
+            }
+        }
+        long status = PyLong_AsLong(PyTuple_GET_ITEM(span, ROW_STATUS));
+        if (status == -1 && PyErr_Occurred()) goto done;
+        if (status == 2) {
+            int first = failed == Py_None ? 1 : earlier(span, failed);
+            if (first < 0) goto done;
+            if (first) failed = span;
+        }
+        int has_mode = PyObject_IsTrue(mode);
+        if (has_mode < 0) goto done;
+        if (!has_mode) mode = sender.mode; /* `if not mode: mode = origin.mode`; the Origin keeps it */
+        int is_p = PyObject_RichCompareBool(sender.side, prefill, Py_EQ), is_d = 0;
+        if (is_p < 0) goto done;
+        if (!is_p && (is_d = PyObject_RichCompareBool(sender.side, decode, Py_EQ)) < 0) goto done;
+        if (is_p && p_any == Py_None) p_any = span;
+        if (is_d && d_any == Py_None) d_any = span;
+    }
+    result = Py_BuildValue("(OOOOOOOO)", index, first_of, ranks, failed, mode, p_any, d_any, client);
+done:
+    span_origin_clear(&sender);
+    Py_XDECREF(key);
+    Py_XDECREF(index);
+    Py_XDECREF(first_of);
+    Py_XDECREF(ranks);
+    Py_DECREF(rows);
+    return result;
+}
+
+/*   timings_of(index, offsets, stage_category, unlisted) -> timings
+ *
+ * Each indexed stage's (start + offset, end + offset, category): attribution.timings_of_python, step for
+ * step (the reference). Its process's offset from `offsets` (0 where none), the category from
+ * `stage_category` by stage label (`unlisted` where none). */
+static PyObject *timings_of(PyObject *self, PyObject *args) {
+    PyObject *index, *offsets, *categories, *unlisted;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyDict_Type, &index, &PyDict_Type, &offsets, &PyDict_Type, &categories,
+                          &unlisted))
+        return NULL;
+    if (origin_instance == NULL && (origin_instance = PyUnicode_InternFromString("instance")) == NULL) return NULL;
+    PyObject *timings = PyDict_New(), *zero = PyLong_FromLong(0), *origin = NULL, *offset = NULL; /* borrowed */
+    PyObject *key, *span;
+    Py_ssize_t pos = 0;
+    if (timings == NULL || zero == NULL) goto fail;
+    while (PyDict_Next(index, &pos, &key, &span)) {
+        if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) < ROW_FIELDS || !PyTuple_Check(key) ||
+            PyTuple_GET_SIZE(key) != 2) {
+            PyErr_SetString(PyExc_TypeError, "an index maps (side, stage) to a model.SpanRow");
+            goto fail;
+        }
+        if (PyTuple_GET_ITEM(span, ROW_ORIGIN) != origin) { /* spans of one sender share their Origin */
+            origin = PyTuple_GET_ITEM(span, ROW_ORIGIN);
+            PyObject *instance = PyObject_GetAttr(origin, origin_instance);
+            if (instance == NULL) goto fail;
+            offset = PyDict_GetItemWithError(offsets, instance);
+            Py_DECREF(instance);
+            if (offset == NULL) {
+                if (PyErr_Occurred()) goto fail;
+                offset = zero;
+            }
+        }
+        PyObject *category = PyDict_GetItemWithError(categories, PyTuple_GET_ITEM(key, 1));
+        if (category == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            category = unlisted;
+        }
+        PyObject *start = PyNumber_Add(PyTuple_GET_ITEM(span, ROW_START), offset);
+        PyObject *end = start == NULL ? NULL : PyNumber_Add(PyTuple_GET_ITEM(span, ROW_END), offset);
+        PyObject *timing = end == NULL ? NULL : PyTuple_Pack(3, start, end, category);
+        Py_XDECREF(start);
+        Py_XDECREF(end);
+        if (timing == NULL) goto fail;
+        int stored = PyDict_SetItem(timings, key, timing);
+        Py_DECREF(timing);
+        if (stored < 0) goto fail;
+    }
+    Py_DECREF(zero);
+    return timings;
+fail:
+    Py_XDECREF(zero);
+    Py_XDECREF(timings);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ the explanation */
 
 /* A decided trace's one sentence, word for word as kvtrace.collectors.explain.explain_python (the
@@ -1623,6 +1837,8 @@ static PyMethodDef methods[] = {
     {"attributes", attributes, METH_VARARGS, "Span.attributes entries for the keys whose value is not None."},
     {"stage_columns", stage_columns, METH_VARARGS, "The requests' per-stage list columns, packed."},
     {"walk", walk, METH_VARARGS, "(parts, critical, segments): the critical path from end back to start."},
+    {"index_spans", index_spans, METH_VARARGS, "A trace's spans indexed by stage, process and rank."},
+    {"timings_of", timings_of, METH_VARARGS, "Each indexed stage's start and end with its offset, and category."},
     {"explain", explain, METH_VARARGS, "A decided trace's breakdown in one sentence."},
     {NULL, NULL, 0, NULL},
 };

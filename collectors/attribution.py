@@ -131,49 +131,9 @@ class Attributor:
 
     def attribute(self, trace_id: str, spans: list[SpanRow]) -> Breakdown | None:
         """The trace's breakdown; None for a trace with no kvtrace span (nothing to attribute)."""
-        index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
-        failed: SpanRow | None = None  # the earliest span that ended in error
-        mode = ""
-        p_any = d_any = None  # a span from P and from D: their instances
-        first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
-        client = None
-        ranks: dict[tuple[str, str], dict[str, SpanRow]] = {}  # stages several processes recorded
+        index, first_of, ranks, failed, mode, p_any, d_any, client = index_spans(spans)
         contract = 0  # the lowest contract version its senders declare (0: none declares one)
         undeclared = False  # a sender older than the version attribute
-        for span in spans:
-            if span.name == _CLIENT_SPAN:  # the load generator's view: read, but not a stage
-                client = span
-                continue
-            origin = span.origin
-            known = first_of.get(origin.instance)
-            if known is None or span.start < known.start:
-                first_of[origin.instance] = span
-            side = origin.side
-            key = (side, span.stage)
-            key = _same_key(key, key)  # the contract's object for it (STAGE_KEYS)
-            seen = index.get(key)
-            if seen is None:
-                index[key] = span
-            elif (seen.origin.instance == origin.instance or side not in _CONTRACT_SIDES) and key not in ranks:
-                if span.start < seen.start:  # a stage repeated (preemption): its first time counts
-                    index[key] = span
-            else:  # another process of the side recorded it too (a TP rank): keep each one's first
-                by_rank = ranks.get(key)
-                if by_rank is None:
-                    by_rank = ranks[key] = {seen.origin.instance: seen}
-                mine = by_rank.get(origin.instance)
-                if mine is None or span.start < mine.start:
-                    by_rank[origin.instance] = span
-                if span.start < seen.start:
-                    index[key] = span
-            if span.status == 2 and (failed is None or span.start < failed.start):
-                failed = span
-            if not mode:
-                mode = origin.mode
-            if side == PREFILL:
-                p_any = p_any or span
-            elif side == DECODE:
-                d_any = d_any or span
         for span in first_of.values():  # per process, not per span: a process records one version
             origin = span.origin
             if origin.side in _CONTRACT_SIDES:
@@ -188,13 +148,7 @@ class Attributor:
         if mode not in PREDECESSORS:
             mode = "push"
         offsets, bounds, suspect = self.aligner.align(index, root, mode, p_any, d_any, first_of, outer)
-        timings: dict[tuple[str, str], tuple[int, int, str]] = {}
-        origin = off = None
-        for key, span in index.items():
-            if span.origin is not origin:  # spans of one instance share their Origin
-                origin = span.origin
-                off = offsets.get(origin.instance, 0)
-            timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], UNLISTED_CATEGORY))
+        timings = timings_of(index, offsets)
         for key, by_rank in ranks.items():  # from the first rank's start to the last one's end
             shifted = [(s.start + offsets.get(s.origin.instance, 0), s.end + offsets.get(s.origin.instance, 0))
                        for s in by_rank.values()]
@@ -298,6 +252,91 @@ class Attributor:
                     breakdown.last_token_ns = number
                 elif key == semconv.ATTR_BLOCK_COUNT:
                     breakdown.block_count = max(breakdown.block_count, number)
+
+
+Index = tuple[dict, dict, dict, "SpanRow | None", str, "SpanRow | None", "SpanRow | None", "SpanRow | None"]
+
+
+def index_spans_python(spans: list[SpanRow]) -> Index:
+    """A trace's spans, indexed for its attribution: (per stage its earliest span; per process its earliest span
+    (P and D can be several processes); the stages several processes of one side recorded (TP ranks), each
+    process's first; the earliest span that ended in error; the mode (the first sender's that names one); a span
+    from P and one from D; the load generator's client span). The reference of the native ``_otlp.index_spans``."""
+    index: dict[tuple[str, str], SpanRow] = {}  # per stage, its earliest span
+    failed: SpanRow | None = None  # the earliest span that ended in error
+    mode = ""
+    p_any = d_any = None  # a span from P and from D: their instances
+    first_of: dict[str, SpanRow] = {}  # instance -> its earliest span (P and D can be several processes)
+    client = None
+    ranks: dict[tuple[str, str], dict[str, SpanRow]] = {}  # stages several processes recorded
+    for span in spans:
+        if span.name == _CLIENT_SPAN:  # the load generator's view: read, but not a stage
+            client = span
+            continue
+        origin = span.origin
+        known = first_of.get(origin.instance)
+        if known is None or span.start < known.start:
+            first_of[origin.instance] = span
+        side = origin.side
+        key = (side, span.stage)
+        key = _same_key(key, key)  # the contract's object for it (STAGE_KEYS)
+        seen = index.get(key)
+        if seen is None:
+            index[key] = span
+        elif (seen.origin.instance == origin.instance or side not in _CONTRACT_SIDES) and key not in ranks:
+            if span.start < seen.start:  # a stage repeated (preemption): its first time counts
+                index[key] = span
+        else:  # another process of the side recorded it too (a TP rank): keep each one's first
+            by_rank = ranks.get(key)
+            if by_rank is None:
+                by_rank = ranks[key] = {seen.origin.instance: seen}
+            mine = by_rank.get(origin.instance)
+            if mine is None or span.start < mine.start:
+                by_rank[origin.instance] = span
+            if span.start < seen.start:
+                index[key] = span
+        if span.status == 2 and (failed is None or span.start < failed.start):
+            failed = span
+        if not mode:
+            mode = origin.mode
+        if side == PREFILL:
+            p_any = p_any or span
+        elif side == DECODE:
+            d_any = d_any or span
+    return index, first_of, ranks, failed, mode, p_any, d_any, client
+
+
+# The loop's constants, for the native half (_otlp.c).
+_INDEX_CONFIG = (_CLIENT_SPAN, STAGE_KEYS, _CONTRACT_SIDES, PREFILL, DECODE)
+
+
+def index_spans(spans: list[SpanRow]) -> Index:
+    """:func:`index_spans_python`, natively where the extension is built."""
+    if native is not None:
+        return native.index_spans(spans, _INDEX_CONFIG)
+    return index_spans_python(spans)
+
+
+def timings_of_python(index: dict[tuple[str, str], SpanRow], offsets: dict[str, int]
+                      ) -> dict[tuple[str, str], tuple[int, int, str]]:
+    """Each indexed stage's (start, end, category) with its process's clock offset added. The reference of the
+    native ``_otlp.timings_of``."""
+    timings: dict[tuple[str, str], tuple[int, int, str]] = {}
+    origin = off = None
+    for key, span in index.items():
+        if span.origin is not origin:  # spans of one instance share their Origin
+            origin = span.origin
+            off = offsets.get(origin.instance, 0)
+        timings[key] = (span.start + off, span.end + off, STAGE_CATEGORY.get(key[1], UNLISTED_CATEGORY))
+    return timings
+
+
+def timings_of(index: dict[tuple[str, str], SpanRow], offsets: dict[str, int]
+               ) -> dict[tuple[str, str], tuple[int, int, str]]:
+    """:func:`timings_of_python`, natively where the extension is built."""
+    if native is not None:
+        return native.timings_of(index, offsets, STAGE_CATEGORY, UNLISTED_CATEGORY)
+    return timings_of_python(index, offsets)
 
 
 TRANSFER_LIMIT = 2**40

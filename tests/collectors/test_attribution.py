@@ -318,3 +318,57 @@ def test_a_bad_detail_value_is_left_out_and_the_good_ones_kept():
     assert breakdown.transfer_bytes == 0 < clean.transfer_bytes
     assert breakdown.ttft_ns == clean.timings[("decode", "first_token")][1] - clean.start_ns
     check_invariants(breakdown)
+
+
+# ---------------------------------------------------------------------- the spans indexed, native and in Python
+
+def _same_index(got, expected):
+    """Two index_spans results alike: the same keys in the same order, each mapped to the same span object."""
+    index, first_of, ranks, failed, mode, p_any, d_any, client = got
+    e_index, e_first_of, e_ranks, e_failed, e_mode, e_p, e_d, e_client = expected
+    for a, b in ((index, e_index), (first_of, e_first_of)):
+        assert list(a) == list(b) and all(a[k] is b[k] for k in b)
+    assert list(ranks) == list(e_ranks)
+    for key, by_rank in e_ranks.items():
+        assert list(ranks[key]) == list(by_rank) and all(ranks[key][i] is s for i, s in by_rank.items())
+    assert failed is e_failed and p_any is e_p and d_any is e_d and client is e_client and mode == e_mode
+
+
+@pytest.mark.skipif(__import__("kvtrace.collectors.wire", fromlist=["native"]).native is None,
+                    reason="native module not built")
+def test_the_spans_are_indexed_and_timed_the_same_native_or_python():
+    """``_otlp.index_spans`` and ``_otlp.timings_of`` against their references: the same stages in the same
+    order, the same span object for each stage, process and rank, the same failed, P, D and client spans, the
+    same mode and timings, on contract traces of every shape (TP ranks, preempted stages, gateways, older
+    contracts, failures) and 5,000 hostile ones (random processes, stages, names, statuses and times)."""
+    import random
+
+    from kvtrace.collectors.attribution import index_spans, index_spans_python, timings_of, timings_of_python
+    from kvtrace.collectors.breakdown import STAGE_KEYS
+    from kvtrace.collectors.model import Origin
+    from kvtrace.telemetry import semconv
+
+    builts = [build("push"), build("push", "kv_first"), build("pull"), build("pull", late_rank_ms=3),
+              build("push", late_rank_ms=2), build("push", drop={"decode:completion"}), build("pull", fail="read"),
+              build("push", router="gw"), build("push", router="gw", contract=1), build("pull", router="gw"),
+              build("push", drop={"router"}), build("pull", drop={"router", "decode"}),
+              build("push", skew_ms={"decode": 40})]
+    traces = [[row for request in b.requests for row in SpanBatch.of(request).rows] for b in builts]
+    traces += [t[::-1] for t in traces]  # the same spans in another order
+    rng = random.Random(20261207)
+    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}",
+                          semconv.RES_SERVICE_INSTANCE_ID: f"inst{rng.randint(0, 6)}",
+                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", "gateway", ""]),
+                          semconv.RES_MODE: rng.choice(["push", "pull", "", "weird"])}) for i in range(12)]
+    stages = sorted({stage for _, stage in STAGE_KEYS}) + ["x", "gateway_request", "llm_request"]
+    traces += [_hostile_trace(rng, origins, stages) for _ in range(5_000)]
+    ranked = 0
+    for spans in traces:
+        got, expected = index_spans(spans), index_spans_python(spans)
+        _same_index(got, expected)
+        ranked += bool(got[2])
+        instances = list(got[1])
+        offsets = {i: rng.choice([0, -7, 12_345, 2**70]) for i in instances if rng.random() < 0.6}
+        timings = timings_of(got[0], offsets)
+        assert timings == timings_of_python(got[0], offsets) and list(timings) == list(got[0])
+    assert ranked > 100  # TP ranks, from the contract traces and the hostile ones
