@@ -109,11 +109,30 @@ def expected_stages(mode: str, reference: str, version: int) -> frozenset:
     return found
 
 
-# stage label -> the detail attributes recorded on it (no other span's attributes are read)
-_DETAILS: dict[str, list[str]] = {}
+# How a detail attribute lands in the breakdown: its field and how the spans that record it combine (TP ranks
+# sum their transfers; the largest of counts recorded on both sides; the last of the router's). The largest
+# value each takes: :data:`_LIMIT`.
+TEXT, SUM, LARGEST, LAST = "text", "sum", "largest", "last"
+_DETAIL_FIELDS: dict[str, tuple[str, str]] = {
+    semconv.ATTR_RENDEZVOUS_ORDER: ("rendezvous_order", TEXT),
+    semconv.ATTR_TRANSFER_BYTES: ("transfer_bytes", SUM),
+    semconv.ATTR_TRANSFER_DESCRIPTORS: ("transfer_descriptors", SUM),
+    semconv.ATTR_TRANSFER_POST_US: ("transfer_post_us", SUM),
+    semconv.ATTR_TRANSFER_XFER_US: ("transfer_xfer_us", SUM),
+    semconv.ATTR_ENGINE_LOOP_NS: ("engine_loop_ns", SUM),
+    semconv.ATTR_INPUT_TOKENS: ("prompt_tokens", LARGEST),
+    semconv.ATTR_OUTPUT_TOKENS: ("output_tokens", LAST),
+    semconv.ATTR_ROUTER_LAST_TOKEN_NS: ("last_token_ns", LAST),
+    semconv.ATTR_BLOCK_COUNT: ("block_count", LARGEST),
+}
+# stage label -> the detail attributes recorded on it that land in the breakdown (no other span's attributes
+# are read; the router's TTFT, a detail too, is read from the root)
+_DETAILS: dict[str, tuple[str, ...]] = {}
 for _key, _stages in semconv.DETAIL_ATTRIBUTES.items():
     for _stage in _stages:
-        _DETAILS.setdefault(semconv.STAGE_LABELS[_stage], []).append(_key)
+        if _key in _DETAIL_FIELDS:
+            _label = semconv.STAGE_LABELS[_stage]
+            _DETAILS[_label] = (*_DETAILS.get(_label, ()), _key)
 _TTFT = semconv.ATTR_ROUTER_TTFT_NS
 _CLIENT_SPAN = semconv.SPAN_CLIENT_REQUEST
 _CLIENT_KEYS = frozenset(semconv.CLIENT_ATTRIBUTES)
@@ -203,55 +222,13 @@ class Attributor:
             run_id=_run_id(root, spans),
             e2e_ns=root.end - root.start if root is not None else 0,
         )
-        self._details(breakdown, spans)
+        details(breakdown, spans)
         if client is not None:
             breakdown.client = {key: value for key, value in client.attrs.items() if key in _CLIENT_KEYS}
             if not breakdown.run_id:
                 breakdown.run_id = client.origin.run_id
         breakdown.explanation = explain(breakdown)
         return breakdown
-
-    # ------------------------------------------------------------------ details
-
-    @staticmethod
-    def _details(breakdown: Breakdown, spans: list[SpanRow]) -> None:
-        """The detail attributes' values into the breakdown: sums over the spans that record them (TP
-        ranks), the largest of counts recorded on both sides; a value that is no whole number in its
-        column's range is left out (:func:`.model.whole_number`)."""
-        for span in spans:
-            keys = _DETAILS.get(span.stage)
-            if keys is None:
-                continue
-            attrs = span.attrs
-            for key in keys:
-                value = attrs.get(key)
-                if not value:
-                    continue
-                if key == semconv.ATTR_RENDEZVOUS_ORDER:
-                    breakdown.rendezvous_order = str(value)
-                    continue
-                limit = _LIMIT.get(key, INT64_MAX)
-                number = whole_number(value, limit)
-                if number is None:
-                    continue
-                if key == semconv.ATTR_TRANSFER_BYTES:
-                    breakdown.transfer_bytes = _sum(breakdown.transfer_bytes, number, limit)
-                elif key == semconv.ATTR_TRANSFER_DESCRIPTORS:
-                    breakdown.transfer_descriptors = _sum(breakdown.transfer_descriptors, number, limit)
-                elif key == semconv.ATTR_TRANSFER_POST_US:
-                    breakdown.transfer_post_us = _sum(breakdown.transfer_post_us, number, limit)
-                elif key == semconv.ATTR_TRANSFER_XFER_US:
-                    breakdown.transfer_xfer_us = _sum(breakdown.transfer_xfer_us, number, limit)
-                elif key == semconv.ATTR_ENGINE_LOOP_NS:
-                    breakdown.engine_loop_ns = _sum(breakdown.engine_loop_ns, number, limit)
-                elif key == semconv.ATTR_INPUT_TOKENS:
-                    breakdown.prompt_tokens = max(breakdown.prompt_tokens, number)
-                elif key == semconv.ATTR_OUTPUT_TOKENS:
-                    breakdown.output_tokens = number
-                elif key == semconv.ATTR_ROUTER_LAST_TOKEN_NS:
-                    breakdown.last_token_ns = number
-                elif key == semconv.ATTR_BLOCK_COUNT:
-                    breakdown.block_count = max(breakdown.block_count, number)
 
 
 Index = tuple[dict, dict, dict, "SpanRow | None", str, "SpanRow | None", "SpanRow | None", "SpanRow | None"]
@@ -353,6 +330,47 @@ _LIMIT = {**dict.fromkeys((semconv.ATTR_INPUT_TOKENS, semconv.ATTR_OUTPUT_TOKENS
 def _sum(total: int, number: int, limit: int) -> int:
     """``total + number`` (ranks' values add up), or ``total`` where the sum would pass ``limit``."""
     return total + number if total + number <= limit else total
+
+
+def details_python(breakdown: Breakdown, spans: list[SpanRow]) -> None:
+    """The detail attributes' values into the breakdown (:data:`_DETAIL_FIELDS`: sums over the spans that
+    record them, the largest of counts, the last); a value that is no whole number in its column's range is
+    left out (:func:`.model.whole_number`). The reference of the native ``_otlp.details``."""
+    for span in spans:
+        keys = _DETAILS.get(span.stage)
+        if keys is None:
+            continue
+        attrs = span.attrs
+        for key in keys:
+            value = attrs.get(key)
+            if not value:
+                continue
+            field, how = _DETAIL_FIELDS[key]
+            if how == TEXT:
+                setattr(breakdown, field, str(value))
+                continue
+            limit = _LIMIT.get(key, INT64_MAX)
+            number = whole_number(value, limit)
+            if number is None:
+                continue
+            if how == SUM:
+                number = _sum(getattr(breakdown, field), number, limit)
+            elif how == LARGEST:
+                number = max(getattr(breakdown, field), number)
+            setattr(breakdown, field, number)
+
+
+# The tables for the native half: per stage its keys; per key (field, how, limit); the ways, in its order.
+_DETAILS_CONFIG = (_DETAILS, {key: (field, how, _LIMIT.get(key, INT64_MAX))
+                              for key, (field, how) in _DETAIL_FIELDS.items()}, (TEXT, SUM, LARGEST, LAST))
+
+
+def details(breakdown: Breakdown, spans: list[SpanRow]) -> None:
+    """:func:`details_python`, natively where the extension is built."""
+    if native is not None:
+        native.details(breakdown, spans, _DETAILS_CONFIG)
+    else:
+        details_python(breakdown, spans)
 
 
 def walk_python(timings: dict[tuple[str, str], tuple[int, int, str]], graph, start: int,

@@ -372,3 +372,44 @@ def test_the_spans_are_indexed_and_timed_the_same_native_or_python():
         timings = timings_of(got[0], offsets)
         assert timings == timings_of_python(got[0], offsets) and list(timings) == list(got[0])
     assert ranked > 100  # TP ranks, from the contract traces and the hostile ones
+
+
+@pytest.mark.skipif(__import__("kvtrace.collectors.wire", fromlist=["native"]).native is None,
+                    reason="native module not built")
+def test_the_details_are_the_same_native_or_python():
+    """``_otlp.details`` against its reference ``details_python``: the same fields on the breakdown, on contract
+    traces of every shape and 5,000 hostile ones, whose detail attributes are of every wrong kind (words, NaN,
+    negative, past int32 or int64, floats, bools, numbers as strings)."""
+    import dataclasses
+    import random
+
+    from kvtrace.collectors.attribution import _DETAIL_FIELDS, details, details_python
+    from kvtrace.collectors.breakdown import STAGE_KEYS, Breakdown
+    from kvtrace.collectors.model import Origin
+    from kvtrace.telemetry import semconv
+
+    builts = [build("push"), build("pull"), build("pull", late_rank_ms=3), build("push", late_rank_ms=2),
+              build("push", router="gw"), build("pull", fail="read"), build("push", output_tokens=9)]
+    traces = [[row for request in b.requests for row in SpanBatch.of(request).rows] for b in builts]
+    rng = random.Random(20261208)
+    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}", semconv.RES_SERVICE_INSTANCE_ID: f"inst{i}",
+                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", ""])}) for i in range(8)]
+    stages = sorted({stage for _, stage in STAGE_KEYS})
+    traces += [_hostile_trace(rng, origins, stages) for _ in range(5_000)]
+    for spans in traces[-2_000:]:  # the details the hostile senders leave out, set and unset (0, "") in turn
+        for span in spans:
+            for key in (semconv.ATTR_TRANSFER_DESCRIPTORS, semconv.ATTR_TRANSFER_POST_US, semconv.ATTR_TRANSFER_XFER_US,
+                        semconv.ATTR_OUTPUT_TOKENS, semconv.ATTR_ROUTER_LAST_TOKEN_NS, semconv.ATTR_RENDEZVOUS_ORDER):
+                if rng.random() < 0.3:
+                    span.attrs[key] = rng.choice([0, 0.0, "", 3, "12", -1, -0.5, 2**40, 2**40 + 1, 1.5e3, float("nan"),
+                                                  True, "x", "kv_first"])
+    set_somewhere = set()
+    for spans in traces:
+        native, python = (Breakdown(trace_id="", request_id="", mode="push", start_ns=0, ttft_ns=0, parts={},
+                                    timings={}, critical_ns={}, complete=True, missing=[], error=False)
+                          for _ in range(2))
+        details(native, spans)
+        details_python(python, spans)
+        assert dataclasses.asdict(native) == dataclasses.asdict(python), spans
+        set_somewhere |= {field for field, _ in _DETAIL_FIELDS.values() if getattr(python, field)}
+    assert set_somewhere == {field for field, _ in _DETAIL_FIELDS.values()}  # every detail, from some trace
