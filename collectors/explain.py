@@ -206,11 +206,11 @@ assert all(len(parts) == 2 for parts in _NATIVE_CONFIG[2].values()), "each templ
 
 
 def explain(b: Breakdown) -> str:
-    """:func:`explain_python`, natively where the extension is built (~1.5 µs a trace in the attributor against
-    ~5 compiled: bench/collector_stages.py)."""
+    """:func:`explain_python`, natively where the extension is built (in the attributor, over 4,000 traces in a
+    loop: ~1.5 µs a trace against ~5 for the compiled Python)."""
     if native is not None:
         try:
             return native.explain(b, _NATIVE_CONFIG)
-        except (OverflowError, TypeError, UnicodeError):  # a number beyond int64 or 2**53, a value of another
-            pass  # type, a string UTF-8 cannot carry: Python's formatting takes them all
+        except (OverflowError, TypeError, UnicodeError):
+            pass  # a number past int64 or 2**53, a value of another type, a string UTF-8 cannot carry: Python's turn
     return explain_python(b)
