@@ -754,21 +754,48 @@ static int as_int64(PyObject *value, int64_t *out) {
     return 0;
 }
 
+/* The Breakdown fields read here, as interned str (made at import: a name made per call cost more than
+ * its lookup). */
+enum {
+    F_COMPLETE, F_CRITICAL_NS, F_DECODE_INSTANCE, F_ERROR, F_ERROR_STAGE, F_ERROR_TYPE, F_MISSING, F_PARTS,
+    F_PREFILL_INSTANCE, F_PROMPT_TOKENS, F_RENDEZVOUS_ORDER, F_SEGMENTS, F_START_NS, F_TIMINGS, F_TRANSFER_BYTES,
+    F_TTFT_NS, N_FIELDS
+};
+static const char *const FIELD_NAMES[N_FIELDS] = {
+    "complete", "critical_ns", "decode_instance", "error", "error_stage", "error_type", "missing", "parts",
+    "prefill_instance", "prompt_tokens", "rendezvous_order", "segments", "start_ns", "timings", "transfer_bytes",
+    "ttft_ns"};
+static PyObject *fields[N_FIELDS];
+
+static PyObject *field(PyObject *b, int which) { return PyObject_GetAttr(b, fields[which]); }
+
+static PyObject *origin_instance, *origin_side, *origin_mode; /* interned attribute names of model.Origin */
+static PyObject *empty_mode; /* "": a trace's mode until a sender names one */
+
+/* The names above, made once when the module is imported. */
+static int intern_names(void) {
+    for (int i = 0; i < N_FIELDS; i++)
+        if ((fields[i] = PyUnicode_InternFromString(FIELD_NAMES[i])) == NULL) return -1;
+    if ((origin_instance = PyUnicode_InternFromString("instance")) == NULL ||
+        (origin_side = PyUnicode_InternFromString("side")) == NULL ||
+        (origin_mode = PyUnicode_InternFromString("mode")) == NULL || (empty_mode = PyUnicode_FromString("")) == NULL)
+        return -1;
+    return 0;
+}
+
 static PyObject *stage_columns(PyObject *self, PyObject *args) {
     PyObject *breakdowns, *known;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &breakdowns, &PyDict_Type, &known)) return NULL;
     enum { IDS, STARTS, ENDS, CRITICAL, OFFSETS, N_COLUMNS };
     Buffer col[N_COLUMNS] = {{0}};
     PyObject *unknown = PyList_New(0), *unknown_seen = PyDict_New(), *result = NULL;
-    PyObject *timings_name = PyUnicode_InternFromString("timings");
-    PyObject *critical_name = PyUnicode_InternFromString("critical_ns");
-    if (!unknown || !unknown_seen || !timings_name || !critical_name) goto done;
+    if (!unknown || !unknown_seen) goto done;
     int32_t count = 0;
     if (buffer_put(&col[OFFSETS], &count, 4) < 0) goto done;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(breakdowns); i++) {
         PyObject *b = PyList_GET_ITEM(breakdowns, i);
-        PyObject *timings = PyObject_GetAttr(b, timings_name);
-        PyObject *critical = timings ? PyObject_GetAttr(b, critical_name) : NULL;
+        PyObject *timings = field(b, F_TIMINGS);
+        PyObject *critical = timings ? field(b, F_CRITICAL_NS) : NULL;
         if (critical == NULL || !PyDict_Check(timings) || !PyDict_Check(critical)) {
             if (critical != NULL) PyErr_SetString(PyExc_TypeError, "timings and critical_ns must be dicts");
             Py_XDECREF(timings);
@@ -816,8 +843,6 @@ done:
     for (int c = 0; c < N_COLUMNS; c++) PyMem_Free(col[c].data);
     Py_XDECREF(unknown);
     Py_XDECREF(unknown_seen);
-    Py_XDECREF(timings_name);
-    Py_XDECREF(critical_name);
     return result;
 }
 
@@ -1110,8 +1135,6 @@ done:
 /* model.SpanRow's fields read here */
 enum { ROW_NAME = 3, ROW_START = 4, ROW_END = 5, ROW_STATUS = 6, ROW_ORIGIN = 7, ROW_STAGE = 8, ROW_ATTRS = 9 };
 
-static PyObject *origin_instance, *origin_side, *origin_mode; /* interned attribute names of model.Origin */
-static PyObject *empty_mode; /* "": a trace's mode until a sender names one */
 
 /* An Origin's instance, side and mode (new references); spans of one sender share their Origin. */
 typedef struct {
@@ -1154,11 +1177,6 @@ static PyObject *index_spans(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO!", &spans, &PyTuple_Type, &config)) return NULL;
     if (!PyArg_ParseTuple(config, "UO!O!UU", &client_name, &PyDict_Type, &stage_keys, &PyFrozenSet_Type,
                           &contract_sides, &prefill, &decode))
-        return NULL;
-    if (empty_mode == NULL && ((origin_instance = PyUnicode_InternFromString("instance")) == NULL ||
-                               (origin_side = PyUnicode_InternFromString("side")) == NULL ||
-                               (origin_mode = PyUnicode_InternFromString("mode")) == NULL ||
-                               (empty_mode = PyUnicode_FromString("")) == NULL))
         return NULL;
     PyObject *rows = PySequence_Fast(spans, "spans must be a sequence"), *result = NULL, *key = NULL;
     if (rows == NULL) return NULL;
@@ -1267,7 +1285,6 @@ static PyObject *timings_of(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!O!O", &PyDict_Type, &index, &PyDict_Type, &offsets, &PyDict_Type, &categories,
                           &unlisted))
         return NULL;
-    if (origin_instance == NULL && (origin_instance = PyUnicode_InternFromString("instance")) == NULL) return NULL;
     PyObject *timings = PyDict_New(), *zero = PyLong_FromLong(0), *origin = NULL, *offset = NULL; /* borrowed */
     PyObject *key, *span;
     Py_ssize_t pos = 0;
@@ -1464,25 +1481,6 @@ typedef struct {
     Py_ssize_t max_missing_named;
 } Explain;
 
-/* The Breakdown fields read, as interned str (made once: a name made per call cost more than its lookup). */
-enum {
-    F_COMPLETE, F_CRITICAL_NS, F_DECODE_INSTANCE, F_ERROR, F_ERROR_STAGE, F_ERROR_TYPE, F_MISSING, F_PARTS,
-    F_PREFILL_INSTANCE, F_PROMPT_TOKENS, F_RENDEZVOUS_ORDER, F_SEGMENTS, F_START_NS, F_TIMINGS, F_TRANSFER_BYTES,
-    F_TTFT_NS, N_FIELDS
-};
-static const char *const FIELD_NAMES[N_FIELDS] = {
-    "complete", "critical_ns", "decode_instance", "error", "error_stage", "error_type", "missing", "parts",
-    "prefill_instance", "prompt_tokens", "rendezvous_order", "segments", "start_ns", "timings", "transfer_bytes",
-    "ttft_ns"};
-static PyObject *fields[N_FIELDS];
-
-static int intern_fields(void) {
-    for (int i = 0; i < N_FIELDS; i++)
-        if (fields[i] == NULL && (fields[i] = PyUnicode_InternFromString(FIELD_NAMES[i])) == NULL) return -1;
-    return 0;
-}
-
-static PyObject *field(PyObject *b, int which) { return PyObject_GetAttr(b, fields[which]); }
 
 enum { PHRASE_PREFILL, PHRASE_RENDEZVOUS, PHRASE_REGISTRATION, PHRASE_WRITE, PHRASE_READ, N_PHRASES };
 
@@ -1889,7 +1887,7 @@ static PyObject *dict_field(PyObject *b, int which) {
 static PyObject *explain(PyObject *self, PyObject *args) {
     Explain e = {{0}};
     PyObject *config, *result = NULL;
-    if (!PyArg_ParseTuple(args, "OO!", &e.b, &PyTuple_Type, &config) || intern_fields() < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "OO!", &e.b, &PyTuple_Type, &config)) return NULL;
     if (!PyArg_ParseTuple(config, "OO!O!O!O!OOOOOdn", &e.gap, &PyDict_Type, &e.side_names, &PyDict_Type,
                           &e.templates, &PyTuple_Type, &e.phrase_keys, &PyTuple_Type, &e.transfer_ops, &e.prefill_side,
                           &e.decode_side, &e.kv_first, &e.registration_first, &e.unattributed, &e.runner_up_share,
@@ -1983,4 +1981,4 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_otlp", "OTLP trace requests decoded natively.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__otlp(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__otlp(void) { return intern_names() < 0 ? NULL : PyModule_Create(&module); }
