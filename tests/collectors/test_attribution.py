@@ -3,13 +3,11 @@
 import pytest
 
 from kvtrace.collectors.attribution import Attributor
-from kvtrace.collectors.model import SpanBatch
 from tests.collectors.traces import MS, build
 
 
 def attribute(built, attributor=None):
-    rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
-    return (attributor or Attributor()).attribute(built.trace_id, rows)
+    return (attributor or Attributor()).attribute(built.trace_id, built.rows())
 
 
 def check_invariants(breakdown):
@@ -101,7 +99,7 @@ def test_a_root_stage_off_the_router_counts_as_coordination():
     # ("root") is not one TTFT is split into, and must not break the walk.
     built = build("push")
     # without the router's decode leg, the walk starts from whatever ended last: D's first token
-    rows = [row for request in built.requests for row in SpanBatch.of(request).rows if row.stage != "decode_leg"]
+    rows = [row for row in built.rows() if row.stage != "decode_leg"]
     first_token = next(r for r in rows if r.stage == "first_token")
     rows = [r._replace(stage="pd_request") if r is first_token else r for r in rows]
     breakdown = Attributor().attribute(built.trace_id, rows)
@@ -206,6 +204,22 @@ def test_stages_off_the_graph_at_one_instant_end_the_walk():
 
 # ---------------------------------------------------------------------- hostile senders
 
+def _hostile_senders(rng):
+    """Twelve senders of random roles, modes, hosts and contract versions, sharing instances, and the stages
+    they may label a span with (the contract's and others)."""
+    from kvtrace.collectors.breakdown import STAGE_KEYS
+    from kvtrace.collectors.model import Origin
+    from kvtrace.telemetry import semconv
+
+    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}",
+                          semconv.RES_SERVICE_INSTANCE_ID: f"inst{rng.randint(0, 6)}",
+                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", "gateway", ""]),
+                          semconv.RES_MODE: rng.choice(["push", "pull", "", "weird"]),
+                          semconv.RES_HOST_NAME: rng.choice(["h0", "h1", ""]),
+                          semconv.RES_CONTRACT_VERSION: rng.choice([0, 1, 2, 3, "x"])}) for i in range(12)]
+    return origins, sorted({stage for _, stage in STAGE_KEYS}) + ["x", "gateway_request", "llm_request"]
+
+
 def _hostile_trace(rng, origins, stages):
     """Up to 25 spans from random processes (contract roles and others, shared instances), random stages,
     names, statuses and times, and detail attributes of every wrong kind."""
@@ -244,19 +258,11 @@ def test_hostile_senders_cost_a_trace_its_details_never_its_breakdown_nor_the_st
     import random
     import threading
 
-    from kvtrace.collectors.breakdown import STAGE_KEYS
     from kvtrace.collectors.clocks import ClockBook
-    from kvtrace.collectors.model import Origin
     from kvtrace.collectors.store import Store
-    from kvtrace.telemetry import semconv
 
     rng = random.Random(20261203)
-    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}", semconv.RES_SERVICE_INSTANCE_ID: f"inst{rng.randint(0, 6)}",
-                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", "gateway", ""]),
-                          semconv.RES_MODE: rng.choice(["push", "pull", "", "weird"]),
-                          semconv.RES_HOST_NAME: rng.choice(["h0", "h1", ""]),
-                          semconv.RES_CONTRACT_VERSION: rng.choice([0, 1, 2, 3, "x"])}) for i in range(12)]
-    stages = sorted({stage for _, stage in STAGE_KEYS}) + ["x", "gateway_request", "llm_request"]
+    origins, stages = _hostile_senders(rng)
     attributor = Attributor(ClockBook())
     breakdowns = []
     for n in range(3_000):
@@ -302,7 +308,7 @@ def test_a_bad_detail_value_is_left_out_and_the_good_ones_kept():
 
     built = build("push")
     rows = []
-    for row in (r for request in built.requests for r in SpanBatch.of(request).rows):
+    for row in built.rows():
         if row.stage == "prefill" and row.origin.side == "prefill":
             row = row._replace(attrs={**row.attrs, semconv.ATTR_INPUT_TOKENS: 3_000_000_000})
         elif row.stage == "allocation":
@@ -344,23 +350,16 @@ def test_the_spans_are_indexed_and_timed_the_same_native_or_python():
     import random
 
     from kvtrace.collectors.attribution import index_spans, index_spans_python, timings_of, timings_of_python
-    from kvtrace.collectors.breakdown import STAGE_KEYS
-    from kvtrace.collectors.model import Origin
-    from kvtrace.telemetry import semconv
 
     builts = [build("push"), build("push", "kv_first"), build("pull"), build("pull", late_rank_ms=3),
               build("push", late_rank_ms=2), build("push", drop={"decode:completion"}), build("pull", fail="read"),
               build("push", router="gw"), build("push", router="gw", contract=1), build("pull", router="gw"),
               build("push", drop={"router"}), build("pull", drop={"router", "decode"}),
               build("push", skew_ms={"decode": 40})]
-    traces = [[row for request in b.requests for row in SpanBatch.of(request).rows] for b in builts]
+    traces = [b.rows() for b in builts]
     traces += [t[::-1] for t in traces]  # the same spans in another order
     rng = random.Random(20261207)
-    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}",
-                          semconv.RES_SERVICE_INSTANCE_ID: f"inst{rng.randint(0, 6)}",
-                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", "gateway", ""]),
-                          semconv.RES_MODE: rng.choice(["push", "pull", "", "weird"])}) for i in range(12)]
-    stages = sorted({stage for _, stage in STAGE_KEYS}) + ["x", "gateway_request", "llm_request"]
+    origins, stages = _hostile_senders(rng)
     traces += [_hostile_trace(rng, origins, stages) for _ in range(5_000)]
     ranked = 0
     for spans in traces:
@@ -384,17 +383,14 @@ def test_the_details_are_the_same_native_or_python():
     import random
 
     from kvtrace.collectors.attribution import _DETAIL_FIELDS, details, details_python
-    from kvtrace.collectors.breakdown import STAGE_KEYS, Breakdown
-    from kvtrace.collectors.model import Origin
+    from kvtrace.collectors.breakdown import Breakdown
     from kvtrace.telemetry import semconv
 
     builts = [build("push"), build("pull"), build("pull", late_rank_ms=3), build("push", late_rank_ms=2),
               build("push", router="gw"), build("pull", fail="read"), build("push", output_tokens=9)]
-    traces = [[row for request in b.requests for row in SpanBatch.of(request).rows] for b in builts]
+    traces = [b.rows() for b in builts]
     rng = random.Random(20261208)
-    origins = [Origin.of({semconv.RES_SERVICE_NAME: f"svc{i % 4}", semconv.RES_SERVICE_INSTANCE_ID: f"inst{i}",
-                          semconv.RES_ROLE: rng.choice(["router", "producer", "consumer", ""])}) for i in range(8)]
-    stages = sorted({stage for _, stage in STAGE_KEYS})
+    origins, stages = _hostile_senders(rng)
     traces += [_hostile_trace(rng, origins, stages) for _ in range(5_000)]
     for spans in traces[-2_000:]:  # the details the hostile senders leave out, set and unset (0, "") in turn
         for span in spans:

@@ -13,7 +13,7 @@ from tests.collectors.traces import MS, build
 
 
 def _rows(built, extra=()):
-    rows = [row for request in built.requests for row in SpanBatch.of(request).rows]
+    rows = built.rows()
     for request in extra:
         rows += SpanBatch.of(request).rows
     return rows

@@ -11,7 +11,6 @@ import pytest
 
 from kvtrace.collectors.attribution import Attributor
 from kvtrace.collectors.clocks import ClockBook, fit, Sample
-from kvtrace.collectors.model import SpanBatch
 from kvtrace.telemetry import Role, TelemetryConfig, configure
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV, parse_clock_shift
 from tests.collectors.traces import BASE_NS, MS, build
@@ -130,10 +129,6 @@ def test_the_grpc_collector_answers_exchanges_too(make_collector):
     sync.close()
 
 
-def _rows(built):
-    return [row for request in built.requests for row in SpanBatch.of(request).rows]
-
-
 def _measured(book: ClockBook, skews_ms: dict[str, float], around_ms: float = 0.0):
     """Exchanges of each instance whose clock is ``skew`` ahead of true time (the collector's)."""
     for i in range(6):
@@ -147,9 +142,9 @@ def test_measured_offsets_undo_any_skew_and_record_their_bound(mode):
     skew = {"prefill": 50.0, "decode": -50.0}
     book = ClockBook()
     _measured(book, {"router-0": 0.0, "prefill-0": skew["prefill"], "decode-0": skew["decode"]})
-    truth = Attributor().attribute(build(mode).trace_id, _rows(build(mode)))
+    truth = Attributor().attribute(build(mode).trace_id, build(mode).rows())
     skewed = build(mode, skew_ms=skew)
-    breakdown = Attributor(book).attribute(skewed.trace_id, _rows(skewed))
+    breakdown = Attributor(book).attribute(skewed.trace_id, skewed.rows())
     for category, ns in truth.parts.items():
         assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (category, breakdown.parts, truth.parts)
     for instance, true_offset in (("prefill-0", -skew["prefill"] * MS), ("decode-0", -skew["decode"] * MS)):
@@ -161,10 +156,10 @@ def test_two_routers_with_different_clocks_are_each_their_traces_reference():
     book = ClockBook()
     _measured(book, {"router-a": 0.0, "router-b": 30.0, "prefill-0": 12.0, "decode-0": -7.0})
     attributor = Attributor(book)
-    truth = Attributor().attribute(build("pull").trace_id, _rows(build("pull")))
+    truth = Attributor().attribute(build("pull").trace_id, build("pull").rows())
     for name, router_skew in (("router-a", 0.0), ("router-b", 30.0)):
         built = build("pull", router=name, skew_ms={"router": router_skew, "prefill": 12.0, "decode": -7.0})
-        breakdown = attributor.attribute(built.trace_id, _rows(built))
+        breakdown = attributor.attribute(built.trace_id, built.rows())
         for category, ns in truth.parts.items():
             assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (name, category)
         # P's times go to this router's clock: P is 12 ms ahead of true time, the router `router_skew`
@@ -175,7 +170,7 @@ def test_a_measurement_the_span_order_contradicts_is_flagged():
     book = ClockBook()
     _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 80.0})  # D is measured 80 ms ahead...
     built = build("push")  # ... but its spans are on true time
-    breakdown = Attributor(book).attribute(built.trace_id, _rows(built))
+    breakdown = Attributor(book).attribute(built.trace_id, built.rows())
     assert breakdown.clock_suspect
 
 
@@ -201,18 +196,18 @@ def test_each_process_of_a_side_is_checked_on_its_own_measured_clock(mode, side,
     book = ClockBook()
     _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0, f"{side}-0-worker": 3.0})
     built = build(mode)
-    rows = _on_a_worker(_rows(built), side, stages, 3.0)
+    rows = _on_a_worker(built.rows(), side, stages, 3.0)
     breakdown = Attributor(book).attribute(built.trace_id, rows)
     assert breakdown.offsets_ns[f"{side}-0-worker"] == pytest.approx(-3 * MS, abs=breakdown.clock_bounds_ns[f"{side}-0-worker"])
     assert not breakdown.clock_suspect
-    truth = Attributor().attribute(built.trace_id, _rows(build(mode)))
+    truth = Attributor().attribute(built.trace_id, build(mode).rows())
     for category, ns in truth.parts.items():
         assert abs(breakdown.parts[category] - ns) <= 0.5 * MS, (category, breakdown.parts, truth.parts)
     # the worker measured 12 ms behind while its spans are on true time: its transfer would start after the
     # other side saw it land (push: D's completion; pull: P's)
     behind = ClockBook()
     _measured(behind, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0, f"{side}-0-worker": -12.0})
-    assert Attributor(behind).attribute(built.trace_id, _on_a_worker(_rows(built), side, stages, 0.0)).clock_suspect
+    assert Attributor(behind).attribute(built.trace_id, _on_a_worker(built.rows(), side, stages, 0.0)).clock_suspect
 
 
 def _with_p_receiving_the_registration_at(rows, at_ns: int):
@@ -229,7 +224,7 @@ def test_a_registration_received_before_ds_span_of_it_ended_is_not_suspect(drop)
     book = ClockBook()
     _measured(book, {"router-0": 0.0, "prefill-0": 0.0, "decode-0": 0.0})
     built = build("push", drop=drop)
-    rows = _rows(built)
+    rows = built.rows()
     d_reg = next(r for r in rows if (r.origin.side, r.stage) == ("decode", "registration"))
     early = _with_p_receiving_the_registration_at(rows, d_reg.end - int(0.6 * MS))
     assert not Attributor(book).attribute(built.trace_id, early).clock_suspect
@@ -241,6 +236,6 @@ def test_without_measurements_the_causal_estimate_stands(monkeypatch):
     built = build("pull", skew_ms={"decode": 40.0})
     attributor = Attributor(ClockBook())  # nobody exchanged
     for _ in range(20):
-        breakdown = attributor.attribute(built.trace_id, _rows(build("pull", skew_ms={"decode": 40.0})))
+        breakdown = attributor.attribute(built.trace_id, build("pull", skew_ms={"decode": 40.0}).rows())
     assert breakdown.clock_bounds_ns == {} and abs(breakdown.offsets_ns["decode-0"] + 40 * MS) <= 5 * MS
     assert os.environ.get(TEST_CLOCK_SHIFT_ENV) is None

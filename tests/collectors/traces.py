@@ -14,6 +14,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvtrace.collectors.model import SpanBatch
 from kvtrace.telemetry import Mode, Role, TelemetryConfig, build_resource, semconv
 from kvtrace.telemetry.context import TraceRef, new_span_id, new_trace_id
 from kvtrace.telemetry.recorder import Recorder
@@ -29,6 +30,10 @@ class Built:
     requests: list  # ExportTraceServiceRequest, one per service
     expected: dict[str, int]  # category -> ns, when the test states it
     ttft_ns: int
+
+    def rows(self) -> list:
+        """Its spans as the collector decodes them (``SpanRow``), service after service."""
+        return [row for request in self.requests for row in SpanBatch.of(request).rows]
 
 
 def _recorder(role: Role, mode: Mode, skew_ms: float, instance: str,
