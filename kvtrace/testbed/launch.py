@@ -35,6 +35,16 @@ DECODE_ENGINE_ID = "kvtrace-decode"
 CPU_OPTIONS = {"nixl_progress_delay_us": 1000, "keep_cpu_affinity": True}
 SHUTDOWN_TIMEOUT_S = 5
 SHM = Path("/dev/shm")
+START_ATTEMPTS = 3
+ADDRESS_IN_USE = "address already in use"  # what a bind that lost the race for its port logs, in some case
+
+
+class PortTaken(RuntimeError):
+    """A process of the pair exited at start-up because its port was taken."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 def free_port() -> int:
@@ -136,8 +146,19 @@ class LocalPair:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvtrace-pair-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._shm_before: set[str] = set()
-        self.ports = {name: free_port() for name in ("p_http", "d_http", "p_kv", "d_kv")}
-        self.ports["router"] = config.router_port or free_port()
+        self.ports = self._pick_ports()
+
+    def _pick_ports(self) -> dict[str, int]:
+        """Five distinct free ports (the router's from the config where it names one)."""
+        ports: dict[str, int] = {}
+        if self.config.router_port:
+            ports["router"] = self.config.router_port
+        for name in ("p_http", "d_http", "p_kv", "d_kv", "router"):
+            while name not in ports:
+                port = free_port()
+                if port not in ports.values():
+                    ports[name] = port
+        return ports
 
     @property
     def router_url(self) -> str:
@@ -226,9 +247,24 @@ class LocalPair:
         self.procs.append(_Proc(name, popen, log, url))
 
     def start(self) -> None:
+        """Start the pair; where a process finds its port taken (another process bound it between
+        :func:`free_port` and the start), start again on fresh ports, up to :data:`START_ATTEMPTS` times."""
         c = self.config
         c.model_dir = Path(c.model_dir or tiny_model.build(name=c.model))
         self._shm_before = set(os.listdir(SHM)) if SHM.exists() else set()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return
+            except PortTaken as exc:
+                if attempt == START_ATTEMPTS:
+                    raise
+                print(f"kvtrace pair: {exc.name}'s port was taken; starting again on fresh ports "
+                      f"({attempt}/{START_ATTEMPTS})", file=sys.stderr)
+                self.ports = self._pick_ports()
+
+    def _start_once(self) -> None:
+        c = self.config
         try:
             for role in ("prefill", "decode"):
                 command, env, cores = self._engine_command(role)
@@ -276,8 +312,9 @@ class LocalPair:
         while pending:
             for proc in list(pending):
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} during start-up; "
-                                       f"last log lines:\n{tail(proc.log)}")
+                    last = tail(proc.log)
+                    message = f"{proc.name} exited with {proc.popen.returncode} during start-up; last log lines:\n{last}"
+                    raise PortTaken(message, proc.name) if ADDRESS_IN_USE in last.lower() else RuntimeError(message)
                 with contextlib.suppress(OSError):
                     with urllib.request.urlopen(proc.url + "/health", timeout=2) as resp:
                         if resp.status == 200:
