@@ -847,6 +847,114 @@ done:
 }
 
 
+/* How number_columns turns a field's value into its column (store.NUMBER_KINDS, in that order). */
+enum { K_MS, K_INT64, K_INT32, K_MICROSECONDS };
+
+/* The requests' numeric columns (store.NUMBER_COLUMNS), each packed end to end: spec is a tuple of
+ * (field name, part key or None, kind); a part key reads breakdown.parts.get(key, 0). K_MS: ns / 1e6 as
+ * a double; K_INT64, K_INT32: the int as it is (OverflowError past its type); K_MICROSECONDS: ns // 1000.
+ * TypeError for a value that is no int: the caller then builds the columns in Python. */
+static PyObject *number_columns(PyObject *self, PyObject *args) {
+    PyObject *breakdowns, *spec;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &breakdowns, &PyTuple_Type, &spec)) return NULL;
+    Py_ssize_t n_columns = PyTuple_GET_SIZE(spec), n = PyList_GET_SIZE(breakdowns);
+    PyObject **names = PyMem_Calloc(n_columns ? n_columns : 1, sizeof(PyObject *));
+    PyObject **parts = PyMem_Calloc(n_columns ? n_columns : 1, sizeof(PyObject *));
+    int *kinds = PyMem_Calloc(n_columns ? n_columns : 1, sizeof(int));
+    char **data = PyMem_Calloc(n_columns ? n_columns : 1, sizeof(char *));
+    PyObject *result = NULL;
+    if (!names || !parts || !kinds || !data) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < n_columns; c++) {
+        PyObject *entry = PyTuple_GET_ITEM(spec, c);
+        if (!PyArg_ParseTuple(entry, "UOi", &names[c], &parts[c], &kinds[c])) goto done;
+        if (kinds[c] < K_MS || kinds[c] > K_MICROSECONDS) {
+            PyErr_SetString(PyExc_ValueError, "unknown column kind");
+            goto done;
+        }
+        if ((data[c] = PyMem_Malloc(n ? n * 8 : 1)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(breakdowns, i), *part_dict = NULL;
+        int failed = 0;
+        for (Py_ssize_t c = 0; c < n_columns && !failed; c++) {
+            PyObject *value;
+            if (parts[c] != Py_None) {
+                if (part_dict == NULL && (part_dict = field(b, F_PARTS)) == NULL) {
+                    failed = 1;
+                    break;
+                }
+                if (!PyDict_Check(part_dict)) {
+                    PyErr_SetString(PyExc_TypeError, "parts must be a dict");
+                    failed = 1;
+                    break;
+                }
+                value = PyDict_GetItemWithError(part_dict, parts[c]);
+                if (value == NULL && PyErr_Occurred()) {
+                    failed = 1;
+                    break;
+                }
+                Py_XINCREF(value);  /* absent: 0 */
+            } else if ((value = PyObject_GetAttr(b, names[c])) == NULL) {
+                failed = 1;
+                break;
+            }
+            int64_t v = 0;
+            if (value != NULL) {
+                if (!PyLong_Check(value) || PyBool_Check(value)) {
+                    PyErr_SetString(PyExc_TypeError, "a numeric field that is no int");
+                    failed = 1;
+                } else if (as_int64(value, &v) < 0) {
+                    failed = 1;
+                }
+                Py_DECREF(value);
+                if (failed) break;
+            }
+            char *at = data[c] + (kinds[c] == K_INT32 ? 4 : 8) * i;
+            if (kinds[c] == K_MS) {
+                double ms = (double)v / 1e6;
+                memcpy(at, &ms, 8);
+            } else if (kinds[c] == K_INT32) {
+                if (v < INT32_MIN || v > INT32_MAX) {
+                    PyErr_SetString(PyExc_OverflowError, "a count beyond int32");
+                    failed = 1;
+                    break;
+                }
+                int32_t small = (int32_t)v;
+                memcpy(at, &small, 4);
+            } else {
+                if (kinds[c] == K_MICROSECONDS) v = v / 1000 - (v % 1000 < 0);  /* floor, as Python's // */
+                memcpy(at, &v, 8);
+            }
+        }
+        Py_XDECREF(part_dict);
+        if (failed) goto done;
+    }
+    if ((result = PyList_New(n_columns)) == NULL) goto done;
+    for (Py_ssize_t c = 0; c < n_columns; c++) {
+        PyObject *packed = PyBytes_FromStringAndSize(data[c], (kinds[c] == K_INT32 ? 4 : 8) * n);
+        if (packed == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, c, packed);
+    }
+done:
+    if (data)
+        for (Py_ssize_t c = 0; c < n_columns; c++) PyMem_Free(data[c]);
+    PyMem_Free(data);
+    PyMem_Free(names);
+    PyMem_Free(parts);
+    PyMem_Free(kinds);
+    return result;
+}
+
+
 /* ------------------------------------------------------------------ the critical-path walk */
 
 typedef struct {
@@ -1970,6 +2078,7 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Decode an OTLP ExportTraceServiceRequest: (rows, origins, columns)."},
     {"attributes", attributes, METH_VARARGS, "Span.attributes entries for the keys whose value is not None."},
     {"stage_columns", stage_columns, METH_VARARGS, "The requests' per-stage list columns, packed."},
+    {"number_columns", number_columns, METH_VARARGS, "The requests' numeric columns, packed."},
     {"walk", walk, METH_VARARGS, "(parts, critical, segments): the critical path from end back to start."},
     {"index_spans", index_spans, METH_VARARGS, "A trace's spans indexed by stage, process and rank."},
     {"timings_of", timings_of, METH_VARARGS, "Each indexed stage's start and end with its offset, and category."},

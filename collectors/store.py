@@ -560,7 +560,6 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
     """One row per trace with its breakdown: the ``requests`` table's columns (inserted by name);
     ``stage_ids`` of ``stage_id_type`` (the embedded store's small ids, a shared store's hashed ones)."""
     now = datetime.now(timezone.utc)
-    ms = 1e6
     stage_ids, starts, ends, critical, offsets = stage_columns(breakdowns, known, assign)
     instances: list[str] = []  # the clock maps: flat keys and values, one offset per row
     instance_offsets: list[int] = []
@@ -582,27 +581,22 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
     def lists(values: pa.Array) -> pa.ListArray:
         return pa.ListArray.from_arrays(offsets, values)
 
+    number = number_columns(breakdowns)
     return pa.table({
         "trace_id": [b.trace_id for b in breakdowns],
         "request_id": [b.request_id for b in breakdowns],
         "run_id": [b.run_id for b in breakdowns],
         "mode": [b.mode for b in breakdowns],
-        "started_at": pa.array([b.start_ns // 1000 for b in breakdowns], pa.timestamp("us", tz="UTC")),
-        "ttft_ms": [b.ttft_ns / ms for b in breakdowns],
-        **{column: [b.parts.get(part, 0) / ms for b in breakdowns]
-           for part, column in zip(schema.PARTS, schema.PART_COLUMNS)},
-        "e2e_ms": pa.array([b.e2e_ns / ms if b.e2e_ns else None for b in breakdowns], pa.float64()),
-        "tpot_ms": pa.array([(b.tpot_ns / ms) or None for b in breakdowns], pa.float64()),
-        "output_tokens": pa.array([b.output_tokens for b in breakdowns], pa.int32()),
-        "prompt_tokens": pa.array([b.prompt_tokens for b in breakdowns], pa.int32()),
+        "started_at": number["started_at"],
+        "ttft_ms": number["ttft_ms"],
+        **{column: number[column] for column in schema.PART_COLUMNS},
+        "e2e_ms": number["e2e_ms"],
+        "tpot_ms": number["tpot_ms"],
+        "output_tokens": number["output_tokens"],
+        "prompt_tokens": number["prompt_tokens"],
         "rendezvous_order": [b.rendezvous_order for b in breakdowns],
-        "engine_loop_ms": [b.engine_loop_ns / ms for b in breakdowns],
-        "transfer_bytes": pa.array([b.transfer_bytes for b in breakdowns], pa.int64()),
-        "transfer_descriptors": pa.array([b.transfer_descriptors for b in breakdowns], pa.int64()),
-        "transfer_post_us": pa.array([b.transfer_post_us for b in breakdowns], pa.int64()),
-        "transfer_xfer_us": pa.array([b.transfer_xfer_us for b in breakdowns], pa.int64()),
-        "block_count": pa.array([b.block_count for b in breakdowns], pa.int32()),
-        "kv_hold_ms": [b.kv_hold_ns / ms for b in breakdowns],
+        **{column: number[column] for column in ("engine_loop_ms", "transfer_bytes", "transfer_descriptors",
+                                                 "transfer_post_us", "transfer_xfer_us", "block_count", "kv_hold_ms")},
         "prefill_instance": [b.prefill_instance for b in breakdowns],
         "decode_instance": [b.decode_instance for b in breakdowns],
         "complete": [b.complete for b in breakdowns],
@@ -624,6 +618,64 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
         "ttft_reference": [b.ttft_reference for b in breakdowns],
         "explanation": [b.explanation for b in breakdowns],
     })
+
+
+# How a numeric column of ``requests`` is read off a breakdown (``_otlp.number_columns`` has them in this order):
+# ns as ms (float64), an int64, an int32 (a count), ns as a µs timestamp.
+MS, INT64, INT32, MICROSECONDS = range(4)
+_NUMBER_TYPES = {MS: pa.float64(), INT64: pa.int64(), INT32: pa.int32(), MICROSECONDS: pa.timestamp("us", tz="UTC")}
+NUMBER_COLUMNS: tuple[tuple[str, str, str | None, int], ...] = (
+    # (requests column, Breakdown field, the key in its parts where it is one, kind)
+    ("started_at", "start_ns", None, MICROSECONDS),
+    ("ttft_ms", "ttft_ns", None, MS),
+    *((column, "parts", part, MS) for part, column in zip(schema.PARTS, schema.PART_COLUMNS)),
+    ("e2e_ms", "e2e_ns", None, MS),
+    ("tpot_ms", "tpot_ns", None, MS),
+    ("output_tokens", "output_tokens", None, INT32),
+    ("prompt_tokens", "prompt_tokens", None, INT32),
+    ("engine_loop_ms", "engine_loop_ns", None, MS),
+    ("transfer_bytes", "transfer_bytes", None, INT64),
+    ("transfer_descriptors", "transfer_descriptors", None, INT64),
+    ("transfer_post_us", "transfer_post_us", None, INT64),
+    ("transfer_xfer_us", "transfer_xfer_us", None, INT64),
+    ("block_count", "block_count", None, INT32),
+    ("kv_hold_ms", "kv_hold_ns", None, MS),
+)
+NULL_WHERE_ZERO = frozenset({"e2e_ms", "tpot_ms"})
+"""Null where the breakdown has 0: a request the router did not see end (e2e), or with one token (TPOT)."""
+_NUMBER_SPEC = tuple((field, part, kind) for _, field, part, kind in NUMBER_COLUMNS)
+
+
+def number_columns_python(breakdowns: list[Breakdown]) -> dict[str, pa.Array]:
+    """The requests' numeric columns (:data:`NUMBER_COLUMNS`); the reference of the native ``_otlp.number_columns``."""
+    columns = {}
+    for column, field, part, kind in NUMBER_COLUMNS:
+        values = [b.parts.get(part, 0) for b in breakdowns] if part is not None else \
+            [getattr(b, field) for b in breakdowns]
+        if kind == MS:
+            values = [v / 1e6 if v or column not in NULL_WHERE_ZERO else None for v in values]
+        elif kind == MICROSECONDS:
+            values = [v // 1000 for v in values]
+        columns[column] = pa.array(values, _NUMBER_TYPES[kind])
+    return columns
+
+
+def number_columns(breakdowns: list[Breakdown]) -> dict[str, pa.Array]:
+    """:func:`number_columns_python`, natively where the extension is built (a field that is no int, or one past
+    its column's type, goes the Python way: the same columns, or the same error)."""
+    if native is None:
+        return number_columns_python(breakdowns)
+    try:
+        packed = native.number_columns(breakdowns, _NUMBER_SPEC)
+    except (TypeError, OverflowError):
+        return number_columns_python(breakdowns)
+    columns = {}
+    for (column, _, _, kind), data in zip(NUMBER_COLUMNS, packed):
+        values = _packed(_NUMBER_TYPES[kind], len(breakdowns), data)
+        if column in NULL_WHERE_ZERO:
+            values = pc.if_else(pc.equal(values, 0.0), pa.scalar(None, pa.float64()), values)
+        columns[column] = values
+    return columns
 
 
 def stage_columns(breakdowns: list[Breakdown], known: dict[tuple[str, str], int],

@@ -35,3 +35,7 @@ ATTR_REMOTE_ENGINE_ID, RETRIED
 # the parameters that need them); fields of vLLM objects the tests fake
 _reset_process_recorder, pytest_runtest_logreport, pytest_sessionfinish, tp_size, clickhouse_cluster
 _.reqs_in_batch, _.reqs_to_send, _.push_finished_blocks, _.num_computed_tokens, _._push_registration_timeout
+
+# Breakdown fields the store reads by name (collectors/store.py NUMBER_COLUMNS, read by _otlp.number_columns)
+_.engine_loop_ns, _.transfer_descriptors, _.transfer_post_us, _.transfer_xfer_us, _.e2e_ns, _.block_count
+_.kv_hold_ns

@@ -228,6 +228,76 @@ def test_the_stage_columns_are_the_same_native_or_python(monkeypatch):
     assert all(e >= s for s, e in zip(starts, ends)) and sum(critical) > 0
 
 
+@pytest.mark.skipif(wire.native is None, reason="native module not built")
+def test_the_number_columns_are_the_same_native_or_python(monkeypatch):
+    """``store.number_columns`` natively and in Python: the same values, types and nulls, over real breakdowns of
+    every shape and random fields on each column's edges (0 as null, negative times floored to the µs, int32's
+    limits, ints past int64 or a column's type, which go the Python way: the same columns, or the same error)."""
+    import random
+
+    import pyarrow as pa
+
+    from kvtrace.collectors import store
+    from kvtrace.collectors.model import INT32_MAX
+
+    rng = random.Random(20)
+    cases = [build("push", "kv_first"), build("pull", late_rank_ms=3), build("push", drop={"decode:completion"}),
+             build("pull", fail="read"), build("push", router="gw", contract=1), build("push", drop={"router"})]
+    edges = [0, 1, -1, -999, -1000, -1001, 999, 1000, 1001, 2**53 + 1, -(2**63), 2**63 - 1, INT32_MAX, -INT32_MAX - 1,
+             1_234_567_890_123]
+
+    def random_breakdowns(n):
+        out = []
+        for _ in range(n):
+            b = decided(rng.choice(cases))
+            for column, field, part, kind in store.NUMBER_COLUMNS:
+                if rng.random() < 0.3:
+                    value = rng.choice(edges) if rng.random() < 0.5 else rng.randint(0, 10**12)
+                    if kind == store.INT32:
+                        value = max(-INT32_MAX - 1, min(INT32_MAX, value))
+                    if part is not None:
+                        b.parts[part] = value
+                    elif field not in ("tpot_ns", "kv_hold_ns"):  # properties: set what they are made of
+                        setattr(b, field, value)
+            if rng.random() < 0.2:
+                b.parts.pop(rng.choice(list(b.parts)), None)  # a category the trace has none of
+            if rng.random() < 0.3:
+                b.output_tokens, b.last_token_ns = rng.choice([0, 1, 2, 17]), b.ttft_ns + rng.randint(-10, 10**9)
+            out.append(b)
+        return out
+
+    def both(breakdowns):
+        results = []
+        for native in (store.native, None):
+            monkeypatch.setattr(store, "native", native)
+            try:
+                columns = store.number_columns(breakdowns)
+                results.append({name: (str(column.type), column.to_pylist()) for name, column in columns.items()})
+            except Exception as exc:  # noqa: BLE001 - the same error either way is what is asserted
+                results.append(type(exc))
+        return results
+
+    for _ in range(40):
+        native_columns, python_columns = both(random_breakdowns(rng.randint(0, 30)))
+        assert native_columns == python_columns
+    native_columns, _ = both(random_breakdowns(20))
+    assert set(native_columns) == {column for column, _, _, _ in store.NUMBER_COLUMNS}
+    assert native_columns["e2e_ms"][0] == "double" and native_columns["started_at"][0] == "timestamp[us, tz=UTC]"
+    assert native_columns["output_tokens"][0] == "int32" and native_columns["transfer_bytes"][0] == "int64"
+
+    b = decided(cases[0])
+    b.e2e_ns, b.output_tokens = 0, 1
+    assert both([b])[0]["e2e_ms"][1] == [None] and both([b])[0]["tpot_ms"][1] == [None]
+    b.start_ns = -1001  # floored, as Python's //
+    assert both([b])[0]["started_at"][1] == both([b])[1]["started_at"][1]
+    b.transfer_bytes = 2**64  # past int64: the Python way, and its error
+    assert both([b]) == [OverflowError, OverflowError]
+    b.transfer_bytes, b.prompt_tokens = 5, INT32_MAX + 1  # past int32: the same
+    assert both([b]) == [pa.ArrowInvalid, pa.ArrowInvalid]
+    b.prompt_tokens, b.parts["compute"] = 5, 2**70  # a part past int64 is still a double
+    assert both([b])[0] == both([b])[1] and both([b])[0]["compute_ms"][1] == [2**70 / 1e6]
+
+
 def test_the_pipeline_leaves_no_reference_cycles(tmp_path):
     """What lets the collector set the GC's young threshold high (``service.GC_YOUNG_THRESHOLD``): decoding,
     logging, storing, assembling, attributing, forwarding and flushing traces of every shape leave no
