@@ -416,44 +416,53 @@ class ClockAligner:
         measure = self.book is not None and self.book.measured(reference)
         if measure:
             bounds[reference] = 0
-
-        def measured(span: Any) -> int | None:
-            """The instance's measured offset, recorded with its bound; None where it is not measured (a measured
-            instance stays measured: the book extrapolates its fit, with a widening bound, if it stops)."""
-            found = self.book.between(span.origin.instance, span.start, reference, at) if measure else None
-            if found is None:
-                return None
-            offsets[span.origin.instance], bounds[span.origin.instance] = found
-            return found[0]
-
-        def estimated(span: Any, lower: float | None, upper: float | None) -> int:
-            """The instance's offset from this trace's bounds [lower, upper] and the recent traces'."""
-            instance = span.origin.instance
-            offsets[instance] = estimate = self.estimator.update((reference, instance), lower, upper)
-            return estimate
-
-        # The span order's bounds are worked out only for an instance that is not measured.
+        # The span order's bounds are worked out only for an instance that is not measured (a measured instance
+        # stays measured: the book extrapolates its fit, with a widening bound, if it stops). No closures here:
+        # this runs for every trace, and a closure made per call cost more than the lines it saves.
         get = index.get
         if root is None:  # P is the reference: only the P<->D pairs bound D
-            if d_any is not None and measured(d_any) is None:
-                estimated(d_any, *(_tighten_with_prefill(index, 0, None, None) if mode == "push" else _pull_pairs(index)))
+            if d_any is not None and not (measure and self._measured(d_any, reference, at, offsets, bounds)):
+                lower, upper = _tighten_with_prefill(index, 0, None, None) if mode == "push" else _pull_pairs(index)
+                self._estimated(d_any, reference, lower, upper, offsets)
             return offsets, bounds
-        p_offset = measured(p_any) if p_any is not None else 0
-        d_placed = d_any is None or measured(d_any) is not None
-        if p_offset is not None and d_placed:  # both measured, as deployed
+        p_measured = p_any is not None and measure and self._measured(p_any, reference, at, offsets, bounds)
+        d_placed = d_any is None or (measure and self._measured(d_any, reference, at, offsets, bounds))
+        if (p_any is None or p_measured) and d_placed:  # both measured, as deployed
             return offsets, bounds
         route_end, answered, token_seen = _router_moments(index, root)
-        if p_offset is None:
+        if p_any is None:
+            p_offset = 0
+        elif p_measured:
+            p_offset = offsets[p_any.origin.instance]
+        else:
             first, prefill = get(P_INPUT) or get(P_QUEUE), get(P_PREFILL)
-            p_offset = estimated(p_any, route_end - first.start if first is not None else None,
-                                 answered - prefill.end if prefill is not None else None)
+            p_offset = self._estimated(p_any, reference, route_end - first.start if first is not None else None,
+                                       answered - prefill.end if prefill is not None else None, offsets)
         if not d_placed:
             first, token, relay = get(D_INPUT) or get(ALLOCATION), get(FIRST_TOKEN), get(R_REGISTRATION)
             sent = relay.end if mode == "pull" and relay is not None else route_end  # pull: after P's params relayed
             lower = sent - first.start if first is not None else None
             upper = token_seen - token.end if token is not None else None
-            estimated(d_any, *_tighten_with_prefill(index, p_offset, lower, upper))
+            lower, upper = _tighten_with_prefill(index, p_offset, lower, upper)
+            self._estimated(d_any, reference, lower, upper, offsets)
         return offsets, bounds
+
+    def _measured(self, span: Any, reference: str, at: int, offsets: dict[str, int], bounds: dict[str, int]) -> bool:
+        """The span's process's measured offset onto ``reference`` (at ``at`` on its clock), into ``offsets`` and
+        ``bounds``; False where no collector measured both."""
+        found = self.book.between(span.origin.instance, span.start, reference, at)
+        if found is None:
+            return False
+        offsets[span.origin.instance], bounds[span.origin.instance] = found
+        return True
+
+    def _estimated(self, span: Any, reference: str, lower: float | None, upper: float | None,
+                   offsets: dict[str, int]) -> int:
+        """The span's process's offset from this trace's bounds [lower, upper] and the recent traces', into
+        ``offsets``."""
+        instance = span.origin.instance
+        offsets[instance] = estimate = self.estimator.update((reference, instance), lower, upper)
+        return estimate
 
     def _place_outer(self, index, outer: Any, offsets: dict[str, int], p_any: Any, d_any: Any) -> int:
         """The gateway's offset onto P's clock: its span started before P had the request and ended
