@@ -219,7 +219,7 @@ class Attributor:
             offsets_ns=offsets, clock_bounds_ns=bounds, clock_suspect=suspect,
             prefill_instance=p_any.origin.instance if p_any else "",
             decode_instance=d_any.origin.instance if d_any else "",
-            run_id=_run_id(root, spans),
+            run_id=_run_id(root, first_of),
             e2e_ns=root.end - root.start if root is not None else 0,
         )
         details(breakdown, spans)
@@ -515,11 +515,15 @@ def _outer_span(spans: list[SpanRow], first_token: SpanRow | None) -> SpanRow | 
     return outer
 
 
-def _run_id(root: SpanRow | None, spans: list[SpanRow]) -> str:
-    """The run the router served, else the first the engines name."""
+def _run_id(root: SpanRow | None, first_of: dict[str, SpanRow]) -> str:
+    """The run the router served, else the first the processes name. A process names one run for all its spans,
+    so one span per process is read (``first_of``: each process's earliest, in order of first appearance)."""
     if root is not None and root.origin.run_id:
         return root.origin.run_id
-    return next((s.origin.run_id for s in spans if s.origin.run_id), "")
+    for span in first_of.values():
+        if span.origin.run_id:
+            return span.origin.run_id
+    return ""
 
 
 def _request_id(root: SpanRow | None, spans: list[SpanRow]) -> str:

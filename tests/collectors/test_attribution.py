@@ -409,3 +409,29 @@ def test_the_details_are_the_same_native_or_python():
         assert dataclasses.asdict(native) == dataclasses.asdict(python), spans
         set_somewhere |= {field for field, _ in _DETAIL_FIELDS.values() if getattr(python, field)}
     assert set_somewhere == {field for field, _ in _DETAIL_FIELDS.values()}  # every detail, from some trace
+
+
+def test_the_run_is_the_routers_else_the_first_process_that_names_one():
+    """One span per process is read for the run id: the same answer as the first span, in arrival order, whose
+    process names one (a process names one run for all its spans), over shuffled traces and runs on some sides."""
+    import dataclasses
+    import random
+
+    rng = random.Random(11)
+    for _ in range(200):
+        built = build(rng.choice(["push", "pull"]), drop=rng.choice([set(), {"router"}]))
+        named = {side: f"run-{side}" for side in ("router", "prefill", "decode") if rng.random() < 0.5}
+        origins = {}
+        rows = []
+        for row in built.rows():
+            origin = row.origin
+            if origin.instance not in origins:
+                origins[origin.instance] = dataclasses.replace(origin, run_id=named.get(origin.side, ""))
+            rows.append(row._replace(origin=origins[origin.instance]))
+        rng.shuffle(rows)
+        breakdown = Attributor().attribute(built.trace_id, rows)
+        root = next((r for r in rows if r.origin.side == "router" and r.parent_span_id == b""), None)
+        first_named = next((r.origin.run_id for r in rows if r.origin.run_id), "")
+        expected = root.origin.run_id if root is not None and root.origin.run_id else first_named
+        assert breakdown.run_id == expected, (named, [r.origin.side for r in rows])
+        assert breakdown.run_id == "" or breakdown.run_id in named.values()
