@@ -50,6 +50,10 @@ class _FoldingRegistry(CollectorRegistry):
         self._fold()
         yield from super().collect()
 
+    def restricted_registry(self, names):  # a scrape that names the series it wants (``?name[]=...``)
+        self._fold()
+        return super().restricted_registry(names)
+
 
 class CollectorMetrics:
     def __init__(self) -> None:

@@ -53,6 +53,11 @@ def test_the_folded_histograms_hold_every_trace_as_one_at_a_time_would(monkeypat
     assert registry.get_sample_value("kvtrace_collector_traces_late_total") == sum(late for _, late in decided)
     assert metrics.counts()["traces_incomplete"] == sum(not b.complete for b, _ in decided)
 
+    metrics.trace(decided[0][0], late=True)  # a scrape naming the series it wants folds too
+    restricted = metrics.registry.restricted_registry(["kvtrace_collector_traces_late_total"])
+    samples = {sample.name: sample.value for family in restricted.collect() for sample in family.samples}
+    assert samples["kvtrace_collector_traces_late_total"] == sum(late for _, late in decided) + 1
+
 
 def test_a_trace_queued_while_another_thread_reads_is_counted_once(monkeypatch):
     """The pipeline thread queues while scrapes fold on theirs: every trace is counted, none twice."""
