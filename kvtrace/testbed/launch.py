@@ -36,7 +36,9 @@ CPU_OPTIONS = {"nixl_progress_delay_us": 1000, "keep_cpu_affinity": True}
 SHUTDOWN_TIMEOUT_S = 5
 SHM = Path("/dev/shm")
 START_ATTEMPTS = 3
-ADDRESS_IN_USE = "address already in use"  # what a bind that lost the race for its port logs, in some case
+ADDRESS_IN_USE = "address already in use"
+"""What a bind that lost the race for its port logs, compared lower-cased (strerror says "Address already in use",
+asyncio's server "address already in use")."""
 
 
 class PortTaken(RuntimeError):
