@@ -847,7 +847,7 @@ done:
 }
 
 
-/* How number_columns turns a field's value into its column (store.NUMBER_KINDS, in that order). */
+/* How number_columns turns a field's value into its column (store.MS, INT64, INT32, MICROSECONDS, in that order). */
 enum { K_MS, K_INT64, K_INT32, K_MICROSECONDS };
 
 /* The requests' numeric columns (store.NUMBER_COLUMNS), each packed end to end: spec is a tuple of
@@ -882,17 +882,16 @@ static PyObject *number_columns(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(breakdowns, i), *part_dict = NULL;
         int failed = 0;
-        for (Py_ssize_t c = 0; c < n_columns && !failed; c++) {
+        for (Py_ssize_t c = 0; c < n_columns; c++) {
             PyObject *value;
             if (parts[c] != Py_None) {
-                if (part_dict == NULL && (part_dict = field(b, F_PARTS)) == NULL) {
-                    failed = 1;
-                    break;
-                }
-                if (!PyDict_Check(part_dict)) {
-                    PyErr_SetString(PyExc_TypeError, "parts must be a dict");
-                    failed = 1;
-                    break;
+                if (part_dict == NULL) { /* read once per breakdown, at its first part column */
+                    if ((part_dict = field(b, F_PARTS)) != NULL && !PyDict_Check(part_dict))
+                        PyErr_SetString(PyExc_TypeError, "parts must be a dict");
+                    if (PyErr_Occurred()) {
+                        failed = 1;
+                        break;
+                    }
                 }
                 value = PyDict_GetItemWithError(part_dict, parts[c]);
                 if (value == NULL && PyErr_Occurred()) {

@@ -581,22 +581,13 @@ def request_table(breakdowns: list[Breakdown], flush_id: int, known: dict[tuple[
     def lists(values: pa.Array) -> pa.ListArray:
         return pa.ListArray.from_arrays(offsets, values)
 
-    number = number_columns(breakdowns)
     return pa.table({
         "trace_id": [b.trace_id for b in breakdowns],
         "request_id": [b.request_id for b in breakdowns],
         "run_id": [b.run_id for b in breakdowns],
         "mode": [b.mode for b in breakdowns],
-        "started_at": number["started_at"],
-        "ttft_ms": number["ttft_ms"],
-        **{column: number[column] for column in schema.PART_COLUMNS},
-        "e2e_ms": number["e2e_ms"],
-        "tpot_ms": number["tpot_ms"],
-        "output_tokens": number["output_tokens"],
-        "prompt_tokens": number["prompt_tokens"],
+        **number_columns(breakdowns),  # NUMBER_COLUMNS: times, the parts, tokens, the transfer
         "rendezvous_order": [b.rendezvous_order for b in breakdowns],
-        **{column: number[column] for column in ("engine_loop_ms", "transfer_bytes", "transfer_descriptors",
-                                                 "transfer_post_us", "transfer_xfer_us", "block_count", "kv_hold_ms")},
         "prefill_instance": [b.prefill_instance for b in breakdowns],
         "decode_instance": [b.decode_instance for b in breakdowns],
         "complete": [b.complete for b in breakdowns],
