@@ -78,10 +78,9 @@ class CollectorMetrics:
         r.register(self._parts)
         self._counts = {"spans_received": 0, "requests_rejected": 0, "traces_incomplete": 0}
         self._trace_counters: dict[tuple[str, bool], Any] = {}  # (mode, complete) -> its child of _traces
-        # Decided traces not yet counted, and how many of them were late. Appended on the pipeline thread and
-        # taken off by whichever thread folds (a deque's append and popleft are atomic: none is lost).
-        self._decided: collections.deque = collections.deque()
-        self._late_queued = collections.deque()
+        # (breakdown, late) of each decided trace not yet counted. Appended on the pipeline thread and taken off
+        # by whichever thread folds (a deque's append and popleft are atomic: none is lost).
+        self._decided: collections.deque[tuple[Breakdown, bool]] = collections.deque()
         self._folding = threading.Lock()  # one fold at a time: counts are read-modify-written
 
     def watch(self, collector: Any) -> None:
@@ -109,9 +108,7 @@ class CollectorMetrics:
     def trace(self, breakdown: Breakdown, late: bool) -> None:
         """One decided trace, queued (on the pipeline thread: this is all it costs there but every
         :data:`FOLD_EVERY`-th trace's fold)."""
-        self._decided.append(breakdown)
-        if late:
-            self._late_queued.append(True)
+        self._decided.append((breakdown, late))
         if len(self._decided) >= FOLD_EVERY:
             self.fold()
 
@@ -119,14 +116,13 @@ class CollectorMetrics:
         """The queued traces into the counters and histograms."""
         with self._folding:
             queued = self._decided
-            decided = [queued.popleft() for _ in range(len(queued))]
-            late = len(self._late_queued)
-            for _ in range(late):
-                self._late_queued.popleft()
+            taken = [queued.popleft() for _ in range(len(queued))]
+            if not taken:
+                return
+            decided = [breakdown for breakdown, _ in taken]
+            late = sum(late for _, late in taken)
             if late:
                 self._late.inc(late)
-            if not decided:
-                return
             by_key = collections.Counter(map(_MODE_AND_COMPLETE, decided))
             by_mode: dict[str, list[Breakdown]] = {}
             for (mode, complete), n in by_key.items():
