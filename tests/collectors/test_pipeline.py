@@ -15,7 +15,7 @@ def decided(built):
     """The breakdown the collector makes of a built trace."""
     from kvtrace.collectors.attribution import Attributor
 
-    return Attributor().attribute(built.trace_id, [r for q in built.requests for r in SpanBatch.of(q).rows])
+    return Attributor().attribute(built.trace_id, built.rows())
 
 
 def requests_rows(collector):

@@ -369,7 +369,7 @@ def test_a_store_with_span_ids_as_text_is_brought_up_to_date_and_its_traces_stil
     assert reader.kpis(Filters())["requests"] == 3
     for built in [*before, later]:  # each trace's spans found by its id, read back from the write-ahead log
         assert sorted(s.span_id.hex() for s in reader.source.trace_spans(built.trace_id)) == sorted(
-            row.span_id.hex() for r in built.requests for row in SpanBatch.of(r).rows)
+            row.span_id.hex() for row in built.rows())
 
 
 def test_a_store_of_the_previous_schema_is_brought_up_to_date_and_kept(tmp_path):
