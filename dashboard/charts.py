@@ -404,6 +404,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1},
                            "opacity": [_on_path(s) for s in members]},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
+                "textangle": 0,  # a narrow bar's name turned on its side, and cut, read as noise: it is hidden
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
                                 s.get("hover", "")] for s in members],
                 "hovertemplate": "<b>%{customdata[0]}</b> (%{y})<br>%{customdata[1]:.2f} → %{customdata[2]:.2f} ms"
@@ -420,7 +421,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
     return _figure(
         data, x=_axis(f"ms since {since}", rangemode="tozero"),
         y=_axis(None, categoryorder="array", categoryarray=list(reversed(lanes))), height=160 + 48 * len(lanes),
-        barmode="overlay",
+        barmode="overlay", uniformtext={"minsize": 9, "mode": "hide"},  # a stage's name that does not fit: none
         shapes=[{"type": "line", "x0": ttft_ms, "x1": ttft_ms, "y0": 0, "y1": 1, "yref": "paper",
                  "line": {"color": "#111", "dash": "dash", "width": 1}}],
         annotations=[{"x": ttft_ms, "y": 0, "yref": "paper", "xanchor": "left", "yanchor": "bottom", "showarrow": False,

@@ -8,13 +8,16 @@ f, options = ui.page("Health", "Clock offsets between processes, incomplete trac
                      "the collector's own counters.")
 
 health = data.health(f)
+measured = health["measured"].to_pylist()
 suspect = health["suspect"].to_pylist()[0]
+# How many traces contradict a measured offset means something only where an offset was measured.
+checked = suspect["requests"] and (measured or suspect["suspect"])
 ui.side_by_side(
-    ("Each process's clock, measured", charts.measured_clocks(health["measured"].to_pylist()), "measured",
+    ("Each process's clock, measured", charts.measured_clocks(measured), "measured",
      "From the clock exchange every process runs with the collector: the offset and its error bound (half the "
      "exchange's round trip). " + (f"{ui.count(suspect['suspect'])} of {ui.count(suspect['requests'])} traces had "
                                    "span order that contradicts a measured offset (clock_suspect)."
-                                   if suspect["requests"] else "")),
+                                   if checked else "")),
     ("Offsets applied, per instance", charts.clock_offsets(health["clocks"].to_pylist()), "clocks",
      "What was added to each process's times to put them on its router's clock (mean per interval)."))
 collector = health["collector"].to_pylist()

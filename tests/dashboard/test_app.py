@@ -411,6 +411,21 @@ def test_traces_of_an_older_contract_appear_on_every_page(monkeypatch, stores, p
     assert not any("no complete requests" in line for line in said), page
 
 
+def test_health_counts_traces_against_measured_clocks_only_where_clocks_were_measured(monkeypatch, tmp_path, stores):
+    """With no clock exchange in the store no offset was measured, so no trace was checked against one:
+    "0 of 10 traces contradict a measured offset" would claim a check that never ran."""
+    def clock_caption(at: AppTest) -> str:
+        return next(c.value for c in at.caption if c.value.startswith("From the clock exchange"))
+
+    assert "contradicts" not in clock_caption(_app(monkeypatch, stores["mixed"], "health"))
+    db = store_of(tmp_path / "measured.duckdb", [build("push") for _ in range(3)])
+    con = duckdb.connect(db)
+    con.execute("INSERT INTO clock_samples SELECT 'decode-0', now(), 0.25, 0.05")
+    con.close()
+    assert "0 of 3 traces had span order that contradicts a measured offset" in clock_caption(
+        _app(monkeypatch, db, "health"))
+
+
 def test_a_chart_with_nothing_to_draw_is_a_line_saying_why_not_an_empty_figure(monkeypatch, stores):
     """The issue's "no chart whose data is empty": an empty Plotly figure costs the browser a first
     paint as much as a full one. The test stores carry no clock exchanges."""

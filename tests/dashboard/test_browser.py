@@ -251,9 +251,31 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     assert request["explanation"]  # the collector's sentence, shown above everything else
     page.get_by_text(request["explanation"], exact=True).wait_for(timeout=10_000)
     assert f"trace_id={trace_id}" in page.url
+    labels = _bar_labels(page)
+    assert any(label["text"] == "prefill" for label in labels), labels  # a wide bar keeps its name
+    unreadable = [label for label in labels if label["angle"] or not label["inside"]]
+    assert not unreadable, f"stage names turned or cut on their bars: {unreadable}"
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
     assert not page.outside, page.outside
+
+
+BAR_LABELS_SCRIPT = """() => [...document.querySelectorAll('g.point')]
+  .filter(p => p.querySelector('text.bartext') && getComputedStyle(p.querySelector('text.bartext')).display !== 'none')
+  .map(point => {
+    const label = point.querySelector('text.bartext'), text = label.getBoundingClientRect();
+    const bar = point.querySelector('path').getBoundingClientRect();
+    const turned = /rotate\\((-?[0-9.]+)/.exec(label.getAttribute('transform') || '');
+    return {text: label.textContent, angle: turned ? Number(turned[1]) : 0,
+            inside: text.left >= bar.left - 1 && text.right <= bar.right + 1 && text.top >= bar.top - 1
+                    && text.bottom <= bar.bottom + 1};
+  })"""
+"""Every bar's label the page draws (Plotly hides one that does not fit with ``display: none``): its text, the
+angle it is turned by, and whether it lies within its bar."""
+
+
+def _bar_labels(page) -> list[dict]:
+    return page.evaluate(BAR_LABELS_SCRIPT)
 
 
 def test_trace_picker_opens_from_its_popover_and_shows_the_trace_picked(live, page):
