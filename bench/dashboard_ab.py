@@ -9,7 +9,7 @@ measured here instead against the page it replaces, in the same rounds, on the s
    of kvtrace are the working tree's, so the store's schema must be the one both read).
 2. Each copy is served as ``kvtrace dashboard`` serves it (its own ``server.py``, the same flags), with
    the bare one-chart page of ``dashboard_scale.py`` beside them for scale.
-3. One warm tab per server (Chromium); each round reloads every page in each tab in turn, so the two
+3. One warm tab per server (Chromium, on a profile on disk: ``dashboard_scale.Chromium``); each round reloads every page in each tab in turn, so the two
    sides of a page alternate and see the same machine. Printed per page: both medians, the change,
    and in how many rounds the working tree's load came sooner.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dashboard_scale import BARE_APP, PAGES, URLS, chromium_beside, first_chart, new_tab, streamlit_command  # noqa: E402
+from dashboard_scale import BARE_APP, PAGES, URLS, chromium_beside, first_chart, streamlit_command, warm_tab  # noqa: E402
 from revisions import ROOT, copy_at, is_commit  # noqa: E402
 
 OWN_PACKAGE = '''# dashboard_ab.py: this copy's pages import this copy's kvtrace.dashboard, not the installed one.
@@ -69,7 +69,7 @@ def measure(db: str, base: str, pages: list[str], rounds: int, port: int) -> dic
     seen: dict[str, dict[str, list[float]]] = {page: {"base": [], "head": []} for page in pages}
     seen["bare"] = {"bare": []}
     with chromium_beside(servers, work) as chromium:
-        tabs = {side: new_tab(chromium) for side in scripts}
+        tabs = {side: warm_tab(chromium) for side in scripts}
         for side, tab in tabs.items():
             first_chart(tab, f"http://127.0.0.1:{ports[side]}/")  # the server's first session, the HTTP cache
         for number in range(rounds):

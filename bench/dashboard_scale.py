@@ -12,8 +12,9 @@ time to its first chart.
    filters (all data: first paint) and once after a re-filter (push only, last 6 hours).
 3. Browser: ``kvtrace dashboard --db PATH``, Debian's Chromium through Playwright; per page, the
    time from navigation to the first Plotly chart (as the page saw it: :data:`FIRST_CHART_SCRIPT`), cold (a new browser context: the whole
-   Streamlit and Plotly front end loads) and warm (the same context loading the page's URL: a new
-   document, its code from the browser's cache, as a reload, a deep link or a new tab); each
+   Streamlit and Plotly front end loads) and warm (a tab on a Chromium profile on disk, as a user's own
+   browser, loading the page's URL again: a new document, its code from the browser's caches, as a
+   reload, a deep link or a new tab; :class:`Chromium` says why not a new context's tab); each
    navigation starts with the previous page finished (:data:`SETTLE_MS` after its first chart) and,
    for a warm load, the cold load's context closed :data:`SETTLE_MS` before.
    Then in-app: the warm tab follows the sidebar's link to each page in turn, as a user moves
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -47,6 +49,7 @@ import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -248,11 +251,34 @@ def streamlit_command(script: str | Path, port: int) -> list[str]:
     return [str(script) if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", port)]
 
 
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+VIEWPORT = {"width": 1500, "height": 1100}
+
+
+@dataclasses.dataclass
+class Chromium:
+    """Debian's Chromium, twice: ``browser`` for cold loads, each in a new context (an empty cache, as a first
+    visit: :func:`new_tab`), and ``profile``, one context on a profile on disk, for the warm tabs
+    (:func:`warm_tab`), as a user's own browser reloads a page.
+
+    Why warm tabs do not live in a new context: such a context keeps V8's code cache in memory and loses it.
+    A warm tab there serialized the 4.7 MB Plotly chunk's code again and again: Chromium's trace showed
+    ``v8.produceModuleCache`` (190-360 ms of the main thread, traced) before the first chart on 11 of the
+    dashboard's 24 warm loads in one run, and on 1 of the bare page's 24 (its first); which page paid it moved
+    from run to run. On a profile on disk, each tab paid it on its first warm load and on none of the other 46
+    (README, "At a million requests")."""
+
+    browser: Any
+    profile: Any
+
+
 @contextlib.contextmanager
 def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]], scratch: str | Path):
     """Each server ``(command, port, env)`` started and answering (:func:`serve`), then Debian's Chromium
-    (never a downloaded one; no GPU, no background traffic), yielded. On the way out, Chromium closed, the
-    servers' process groups stopped (SIGTERM, by PID) and ``scratch`` (the caller's temporary folder) removed."""
+    (never a downloaded one; no GPU, no background traffic) yielded as a :class:`Chromium`, its profile in
+    ``scratch``. On the way out, Chromium closed, the servers' process groups stopped (SIGTERM, by PID) and
+    ``scratch`` (the caller's temporary folder) removed."""
     from playwright.sync_api import sync_playwright
 
     processes = []
@@ -262,13 +288,17 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
         for command, port, env in servers:
             processes.append(serve(command, port, env))
         with sync_playwright() as pw:
-            chromium = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run"])
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
             try:
-                yield chromium
+                profile = pw.chromium.launch_persistent_context(
+                    Path(scratch) / "chromium-profile", executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS,
+                    viewport=VIEWPORT)
+                try:
+                    yield Chromium(browser, profile)
+                finally:
+                    profile.close()
             finally:
-                chromium.close()
+                browser.close()
     finally:
         for process in processes:
             os.killpg(process.pid, signal.SIGTERM)
@@ -277,9 +307,16 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
         signal.signal(signal.SIGTERM, previous)
 
 
-def new_tab(chromium):
+def new_tab(chromium: Chromium):
     """A tab in a new browser context (its own cache: a cold load), marking its first chart (:data:`FIRST_CHART_SCRIPT`)."""
-    page = chromium.new_context(viewport={"width": 1500, "height": 1100}).new_page()
+    page = chromium.browser.new_context(viewport=VIEWPORT).new_page()
+    page.add_init_script(FIRST_CHART_SCRIPT)
+    return page
+
+
+def warm_tab(chromium: Chromium):
+    """A tab in the profile on disk (:class:`Chromium`), marking its first chart (:data:`FIRST_CHART_SCRIPT`)."""
+    page = chromium.profile.new_page()
     page.add_init_script(FIRST_CHART_SCRIPT)
     return page
 
@@ -304,7 +341,7 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
             return (f"http://127.0.0.1:{bare_port}/" if name == "bare"
                     else f"http://127.0.0.1:{port}/{URLS.get(name, name)}")
 
-        warm = {"kvtrace": new_tab(chromium), "bare": new_tab(chromium)}
+        warm = {"kvtrace": warm_tab(chromium), "bare": warm_tab(chromium)}
         first_chart(warm["kvtrace"], f"http://127.0.0.1:{port}/")  # each server's first session, the HTTP cache
         first_chart(warm["bare"], f"http://127.0.0.1:{bare_port}/")
         for number in range(rounds):
