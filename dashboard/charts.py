@@ -404,7 +404,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1},
                            "opacity": [_on_path(s) for s in members]},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
-                "textangle": 0,  # a narrow bar's name turned on its side, and cut, read as noise: it is hidden
+                "textangle": 0,  # level, never turned on its side: a name too long for its bar is hidden (below)
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
                                 s.get("hover", "")] for s in members],
                 "hovertemplate": "<b>%{customdata[0]}</b> (%{y})<br>%{customdata[1]:.2f} → %{customdata[2]:.2f} ms"
