@@ -413,7 +413,8 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
     critical = [s for s in stages if s["critical_ms"] > 0]
     if critical:  # the critical part of a stage ends where the stage does (or at the first token)
         ends = [min(s["end_ms"], ttft_ms) for s in critical]
-        data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18,
+        # along each bar's lower edge, as an underline: through its middle it hid the stage's name
+        data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18, "offset": -0.4,
                      "y": [_lane(s) for s in critical], "x": [s["critical_ms"] for s in critical],
                      "base": [end - s["critical_ms"] for s, end in zip(critical, ends)],
                      "marker": {"color": "#111111"}, "hovertemplate": "critical path: %{x:.2f} ms<extra></extra>"})

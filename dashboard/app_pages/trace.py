@@ -7,7 +7,7 @@ from kvtrace.dashboard import charts, data, ui
 
 f, options = ui.page("Trace", "One request on the router's clock (P's, behind another router): each stage on the lane "
                      "of the process and thread "
-                     "that timed it, the critical path in black, and its TTFT split into parts that add up.")
+                     "that timed it, the critical path underlined in black, and its TTFT split into parts that add up.")
 
 slowest = data.slowest(f, 20).to_pylist()
 choices = [r["trace_id"] for r in slowest]

@@ -253,14 +253,18 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     assert f"trace_id={trace_id}" in page.url
     labels = _bar_labels(page)
     assert any(label["text"] == "prefill" for label in labels), labels  # a wide bar keeps its name
-    unreadable = [label for label in labels if label["angle"] or not label["inside"]]
-    assert not unreadable, f"stage names turned or cut on their bars: {unreadable}"
+    unreadable = [label for label in labels if label["angle"] or not label["inside"] or label["covered"]]
+    assert not unreadable, f"stage names turned, cut or covered on their bars: {unreadable}"
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
     assert not page.outside, page.outside
 
 
-BAR_LABELS_SCRIPT = """() => [...document.querySelectorAll('g.point')]
+BAR_LABELS_SCRIPT = """() => {
+  const overlaps = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const dark = [...document.querySelectorAll('g.point path')]  // the critical path's bars (#111111)
+    .filter(path => getComputedStyle(path).fill === 'rgb(17, 17, 17)').map(path => path.getBoundingClientRect());
+  return [...document.querySelectorAll('g.point')]
   .filter(p => p.querySelector('text.bartext') && getComputedStyle(p.querySelector('text.bartext')).display !== 'none')
   .map(point => {
     const label = point.querySelector('text.bartext'), text = label.getBoundingClientRect();
@@ -268,10 +272,12 @@ BAR_LABELS_SCRIPT = """() => [...document.querySelectorAll('g.point')]
     const turned = /rotate\\((-?[0-9.]+)/.exec(label.getAttribute('transform') || '');
     return {text: label.textContent, angle: turned ? Number(turned[1]) : 0,
             inside: text.left >= bar.left - 1 && text.right <= bar.right + 1 && text.top >= bar.top - 1
-                    && text.bottom <= bar.bottom + 1};
-  })"""
+                    && text.bottom <= bar.bottom + 1,
+            covered: dark.some(band => overlaps(text, band))};
+  });
+}"""
 """Every bar's label the page draws (Plotly hides one that does not fit with ``display: none``): its text, the
-angle it is turned by, and whether it lies within its bar."""
+angle it is turned by, whether it lies within its bar, and whether a critical-path band is drawn over it."""
 
 
 def _bar_labels(page) -> list[dict]:
