@@ -388,6 +388,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
         if _lane(s) not in lanes:
             lanes.append(_lane(s))
     data = []
+    across = 0.8  # a stage's bar across its lane (Plotly's own default, named: the critical path sits on its lower edge)
     root = [s for s in stages if s["category"] == "root"]
     if root:  # the whole request, client in to last byte out: a thin bar behind its lane
         data.append({"type": "bar", "orientation": "h", "name": "request", "width": 0.12,
@@ -398,7 +399,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
         members = [s for s in stages if s["category"] == category]
         if members:
             data.append({
-                "type": "bar", "orientation": "h", "name": category,
+                "type": "bar", "orientation": "h", "name": category, "width": across,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
                 "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1},
@@ -414,7 +415,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
     if critical:  # the critical part of a stage ends where the stage does (or at the first token)
         ends = [min(s["end_ms"], ttft_ms) for s in critical]
         # along each bar's lower edge, as an underline: through its middle it hid the stage's name
-        data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18, "offset": -0.4,
+        data.append({"type": "bar", "orientation": "h", "name": "critical path", "width": 0.18, "offset": -across / 2,
                      "y": [_lane(s) for s in critical], "x": [s["critical_ms"] for s in critical],
                      "base": [end - s["critical_ms"] for s, end in zip(critical, ends)],
                      "marker": {"color": "#111111"}, "hovertemplate": "critical path: %{x:.2f} ms<extra></extra>"})
