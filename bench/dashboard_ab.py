@@ -1,7 +1,7 @@
 """Dashboard A/B: each page as a git revision had it against the working tree, side by side in one run.
 
 ``dashboard_scale.py`` prints each page's ratio to a bare Streamlit page; on a shared 2-core VM that ratio
-moves between runs by as much as most changes to a page (README, "At a million requests"). A change is
+moves between runs by as much as most changes to a page (docs/PERFORMANCE.md). A change is
 measured here instead against the page it replaces, in the same rounds, on the same store:
 
 1. The ``dashboard/`` folder at ``--base`` (``git archive``) and the working tree's are copied side by

@@ -267,7 +267,7 @@ class Chromium:
     ``v8.produceModuleCache`` (190-360 ms of the main thread, traced) before the first chart on 11 of the
     dashboard's 24 warm loads in one run, and on 1 of the bare page's 24 (its first); which page paid it moved
     from run to run. On a profile on disk, each tab paid it on its first warm load and on none of the other 46
-    (README, "At a million requests")."""
+    (docs/PERFORMANCE.md)."""
 
     browser: Any
     profile: Any
@@ -348,7 +348,7 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
             for index, name in enumerate(PAGES):
                 # Each page beside a bare load of its own, one just before or just after it (alternating), so
                 # that a pair shares the machine: loads a minute apart differed by more than the target's margin
-                # (one page's warm loads 0.58-1.83 s in one run; README, "At a million requests").
+                # (one page's warm loads 0.58-1.83 s in one run; docs/PERFORMANCE.md).
                 pair = ["bare", name] if (number + index) % 2 == 0 else [name, "bare"]
                 for member in pair:
                     cold_page = new_tab(chromium)
@@ -358,7 +358,7 @@ def browser(db: str, rounds: int, port: int, profile: bool = False) -> dict[str,
                     tab = warm["bare" if member == "bare" else "kvtrace"]
                     # The closed context's session is torn down on the server, and its renderer in Chromium: a
                     # warm load at once shared the machine with that (Trace 0.977 against 0.790 s after 2 s;
-                    # the bare page 0.573 against 0.575; README), as no reload in a user's tab does.
+                    # the bare page 0.573 against 0.575; docs/PERFORMANCE.md), as no reload in a user's tab does.
                     tab.wait_for_timeout(SETTLE_MS)
                     results[member]["warm"].append(first_chart(tab, url_of(member)))
                 for kind in ("cold", "warm"):

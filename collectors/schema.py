@@ -23,7 +23,7 @@ writes these tables, the read side (:mod:`.read`) reads them, and nothing else s
   per sender); ``batches`` says where each export request's original bytes are in the
   write-ahead log. ``span_rows`` holds each id as the number its bytes spell (big-endian; a root's
   parent NULL) and the view writes it in hex, as every other table does: since schema 12, because
-  numbers cost the collector's writer less than text to insert and checkpoint (README, "Benchmarks").
+  numbers cost the collector's writer less than text to insert and checkpoint (docs/PERFORMANCE.md).
   The view's hex is written per row, so a filter on it reads every span: ``trace_spans('<id>')`` (a
   table macro, the same columns) finds one trace's spans by number.
 * Rollups, kept up to date in the transaction that writes the requests, so no page scans raw

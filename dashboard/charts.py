@@ -302,7 +302,7 @@ SAMPLE_SCATTER = "scatter"
 (``data.SAMPLE_POINTS`` and the 50 slowest), which SVG draws before a WebGL context is even up. The Slow requests
 page's first chart came 0.15–0.2 s sooner in Chromium (bench/dashboard_scale.py's store of 100k requests).
 Each point costs the browser ~0.13-0.19 ms to draw warm, so the sample is no larger than a scatter needs to
-show where requests fall (README, "At a million requests")."""
+show where requests fall (docs/PERFORMANCE.md)."""
 
 
 def loop_vs_tpot(sample: Sequence[dict]) -> go.Figure | NoData:

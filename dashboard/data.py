@@ -110,7 +110,7 @@ def decode_smoothness(f: Filters) -> list[dict]:
 SAMPLE_POINTS = 300
 """Requests a page's scatter draws beside the 50 slowest: where the bulk falls, not every request (a box
 selection is answered in the database). Every point costs the first paint: the Slow requests and Decode
-pages' first chart came ~0.13 s sooner warm with 300 than with 1,000 (README, "At a million requests")."""
+pages' first chart came ~0.13 s sooner warm with 300 than with 1,000 (docs/PERFORMANCE.md)."""
 
 
 def requests_sample(f: Filters) -> pa.Table:

@@ -60,7 +60,7 @@ def kpis(tiles: Sequence[Kpi], columns: int = 4) -> None:
 
     One element rather than an ``st.metric`` per figure: each metric is a component of its own (label
     markdown, tooltip, layout), and the Overview's seven cost its warm first chart ~50-90 ms in Chromium,
-    one HTML element of the same tiles nothing measurable (README, "At a million requests")."""
+    one HTML element of the same tiles nothing measurable (docs/PERFORMANCE.md)."""
     st.html(kpi_html(tiles, columns))
 
 
@@ -89,7 +89,7 @@ def lazy_sections(key: str, sections: dict[str, Callable[[], None]]) -> None:
     A page's first chart is drawn in the same browser render as every chart sent with it, and each costs
     that render ~50-60 ms here: what answers the page's question stays in view, the rest waits for a
     click. Tabs did that for all but one view, the open first tab's, which every page still drew on
-    arrival (README, "At a million requests")."""
+    arrival (docs/PERFORMANCE.md)."""
     for label, draw in sections.items():
         with st.expander(label, key=section_key(key, label), on_change="rerun") as box:
             if box.open:
@@ -156,8 +156,7 @@ def sidebar_filters(options: dict[str, Any]) -> Filters:
 
     Their widgets are drawn only while the "Filters" expander is open; closed, the sidebar shows
     what is chosen in one line. The widgets are what a page's first paint waits for longest after
-    its charts: closed, a page's first chart comes ~0.1 s sooner warm and ~0.35 s cold (README,
-    "At a million requests")."""
+    its charts: closed, a page's first chart comes ~0.1 s sooner warm and ~0.35 s cold (docs/PERFORMANCE.md)."""
     state = st.session_state
     if _CHOSEN not in state:
         state[_CHOSEN] = _from_url(options)

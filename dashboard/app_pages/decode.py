@@ -28,5 +28,5 @@ st.caption("TPOT as the router saw it: (last token − first token) / (output to
            f"{ui.percentiles_note(all(r['quantiles_exact'] for r in rows))}. Engine-loop time: the "
            "connector's calls on D's loop attributed to the request (pull's descriptor prep and READ post).")
 # The modes' TPOT percentiles are the figures above; as bars they wait for a click (each chart in the first
-# render costs it ~50-60 ms in Chromium, README "At a million requests").
+# render costs it ~50-60 ms in Chromium, docs/PERFORMANCE.md).
 ui.lazy_sections("decode_more", {"TPOT by mode": lambda: ui.chart(charts.tpot_bars(rows), key="tpot")})

@@ -31,7 +31,7 @@ kpi_strip()
 by_mode = data.parts_by_mode(f).to_pylist()
 st.subheader("Mean TTFT and its parts, by mode")
 # One chart for "how long" and "what share" (each part's share inside its bar): a second chart of the same
-# bars in % cost the page's first paint a chart (README, "At a million requests").
+# bars in % cost the page's first paint a chart (docs/PERFORMANCE.md).
 ui.chart(charts.stacked_parts(by_mode, share_labels=True), key="parts_by_mode")
 
 

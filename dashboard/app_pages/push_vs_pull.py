@@ -21,7 +21,7 @@ if {"push", "pull"} <= modes.keys():
 else:
     st.caption("Only one mode in this selection: run the other one (or widen the filters) to compare.")
 # Each mode's percentiles as text; their whole distribution (a CDF) waits under an expander: a second chart
-# in view cost this page's first paint ~0.19 s warm (bench/dashboard_ab.py, README "At a million requests").
+# in view cost this page's first paint ~0.19 s warm (bench/dashboard_ab.py, docs/PERFORMANCE.md).
 answers = {mode: data.kpis(dataclasses.replace(f, modes=(mode,))) for mode in sorted(modes)}
 exact = all(k["quantiles_exact"] for k in answers.values())
 if answers:

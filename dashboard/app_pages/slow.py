@@ -51,7 +51,7 @@ if slowest:
 
 def slowest_table() -> None:
     # Behind an expander: a table's grid is the costliest element of a first paint (~0.15 s warm in
-    # Chromium beside the bare page, README "At a million requests"); the slowest one is named above.
+    # Chromium beside the bare page, docs/PERFORMANCE.md); the slowest one is named above.
     st.dataframe([{"trace": f"trace?trace_id={r['trace_id']}", "started (UTC)": r["started_at"], "mode": r["mode"],
                    "TTFT (ms)": r["ttft_ms"], "why": r["explanation"], **{k.removesuffix("_ms") + " (ms)": r[k] for k in (
                        "compute_ms", "queue_ms", "coordination_ms", "wire_ms", "unattributed_ms")},

@@ -18,7 +18,7 @@ st.caption(f"A bar's hover holds its stage's duration and time on the path; ever
 
 def table() -> None:
     # Behind an expander: a table's grid is the costliest element of a first paint (~0.15 s warm in
-    # Chromium beside the bare page, README "At a million requests"); the chart answers the page's question.
+    # Chromium beside the bare page, docs/PERFORMANCE.md); the chart answers the page's question.
     st.dataframe(
         [{"mode": r["mode"], "side": r["side"], "stage": r["stage"], "category": r["category"], "spans": r["spans"],
           "p50 (ms)": ui.rough(r["p50_ms"], exact), "p99 (ms)": ui.rough(r["p99_ms"], exact),

@@ -29,7 +29,7 @@ def show(key: str) -> None:
 
 
 # The picker waits in a popover: a select box drawn with the page delayed its warm first chart in Chromium
-# (5-80 ms in four side-by-side runs, README "At a million requests"); the popover's button names the trace.
+# (5-80 ms in four side-by-side runs, docs/PERFORMANCE.md); the popover's button names the trace.
 # One widget key per trace shown, so that a deep link's trace is the one the opened list starts on.
 if choices:
     with st.popover(summary(trace_id), icon=":material/swap_vert:"):
