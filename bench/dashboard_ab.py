@@ -9,9 +9,9 @@ measured here instead against the page it replaces, in the same rounds, on the s
    of kvtrace are the working tree's, so the store's schema must be the one both read).
 2. Each copy is served as ``kvtrace dashboard`` serves it (its own ``server.py``, the same flags), with
    the bare one-chart page of ``dashboard_scale.py`` beside them for scale.
-3. One warm tab per server (Chromium, on a profile on disk: ``dashboard_scale.Chromium``); each round reloads every page in each tab in turn, so the two
-   sides of a page alternate and see the same machine. Printed per page: both medians, the change,
-   and in how many rounds the working tree's load came sooner.
+3. One warm tab per server (Chromium, on a profile on disk: ``dashboard_scale.Chromium``); each round
+   reloads every page in each tab in turn, so the two sides of a page alternate and see the same machine.
+   Printed per page: both medians, the change, and in how many rounds the working tree's load came sooner.
 """
 
 from __future__ import annotations

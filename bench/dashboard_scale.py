@@ -251,6 +251,7 @@ def streamlit_command(script: str | Path, port: int) -> list[str]:
     return [str(script) if part == str(launch.SERVER) else part for part in launch.command("127.0.0.1", port)]
 
 
+CHROMIUM = "/usr/bin/chromium"  # Debian's, never a downloaded one
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 VIEWPORT = {"width": 1500, "height": 1100}
@@ -288,10 +289,10 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
         for command, port, env in servers:
             processes.append(serve(command, port, env))
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 profile = pw.chromium.launch_persistent_context(
-                    Path(scratch) / "chromium-profile", executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS,
+                    Path(scratch) / "chromium-profile", executable_path=CHROMIUM, args=CHROMIUM_ARGS,
                     viewport=VIEWPORT)
                 try:
                     yield Chromium(browser, profile)
@@ -308,15 +309,17 @@ def chromium_beside(servers: list[tuple[list[str], int, dict[str, str] | None]],
 
 
 def new_tab(chromium: Chromium):
-    """A tab in a new browser context (its own cache: a cold load), marking its first chart (:data:`FIRST_CHART_SCRIPT`)."""
-    page = chromium.browser.new_context(viewport=VIEWPORT).new_page()
-    page.add_init_script(FIRST_CHART_SCRIPT)
-    return page
+    """A tab in a new browser context (its own cache: a cold load), marking its first chart."""
+    return _marking_first_chart(chromium.browser.new_context(viewport=VIEWPORT).new_page())
 
 
 def warm_tab(chromium: Chromium):
-    """A tab in the profile on disk (:class:`Chromium`), marking its first chart (:data:`FIRST_CHART_SCRIPT`)."""
-    page = chromium.profile.new_page()
+    """A tab in the profile on disk (:class:`Chromium`), marking its first chart."""
+    return _marking_first_chart(chromium.profile.new_page())
+
+
+def _marking_first_chart(page):
+    """``page``, recording when each document it loads draws its first chart (:data:`FIRST_CHART_SCRIPT`)."""
     page.add_init_script(FIRST_CHART_SCRIPT)
     return page
 
