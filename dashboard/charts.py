@@ -380,7 +380,8 @@ _TTFT_ENDS = {"router": ("the router received the request (router's clock)", "fi
 def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router") -> go.Figure | NoData:
     """One bar per stage on its process's lane (a stage's own ``lane`` where it names one, e.g. a TP
     rank's), coloured by category, on the reference's clock (ms from arrival); the critical path is
-    drawn as a dark band over each stage's critical part."""
+    drawn as a dark band along the lower edge of each stage's critical part, the whole request as a thin
+    bar along the top edge of its lane: neither runs through a stage's name."""
     if not stages:
         return empty("no stages recorded")
     lanes: list[str] = []
@@ -388,10 +389,13 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
         if _lane(s) not in lanes:
             lanes.append(_lane(s))
     data = []
-    across = 0.8  # a stage's bar across its lane (Plotly's own default, named: the critical path sits on its lower edge)
+    across = 0.8  # a stage's bar across its lane (Plotly's own default, named: the bands below sit on its edges)
+    request_band = 0.12  # the whole request's bar across its lane
     root = [s for s in stages if s["category"] == "root"]
-    if root:  # the whole request, client in to last byte out: a thin bar behind its lane
-        data.append({"type": "bar", "orientation": "h", "name": "request", "width": 0.12,
+    if root:  # the whole request, client in to last byte out: a thin bar along its lane's top edge (through the
+        # middle it struck through the router's stage names, the bars being translucent off the critical path)
+        data.append({"type": "bar", "orientation": "h", "name": "request", "width": request_band,
+                     "offset": across / 2 - request_band,
                      "y": [_lane(s) for s in root], "x": [s["duration_ms"] for s in root],
                      "base": [s["start_ms"] for s in root], "marker": {"color": CATEGORY_COLORS["root"]},
                      "hovertemplate": "request: %{x:.2f} ms long (to the last byte)<extra></extra>"})

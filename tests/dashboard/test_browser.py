@@ -262,8 +262,9 @@ def test_trace_page_deep_link_and_apm_link(live, page):
 
 BAR_LABELS_SCRIPT = """() => {
   const overlaps = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
-  const dark = [...document.querySelectorAll('g.point path')]  // the critical path's bars (#111111)
-    .filter(path => getComputedStyle(path).fill === 'rgb(17, 17, 17)').map(path => path.getBoundingClientRect());
+  const bands = [...document.querySelectorAll('g.point path')]  // the critical path's (#111111) and the request's (#6B6B6B)
+    .filter(path => ['rgb(17, 17, 17)', 'rgb(107, 107, 107)'].includes(getComputedStyle(path).fill))
+    .map(path => path.getBoundingClientRect());
   return [...document.querySelectorAll('g.point')]
   .filter(p => p.querySelector('text.bartext') && getComputedStyle(p.querySelector('text.bartext')).display !== 'none')
   .map(point => {
@@ -273,11 +274,12 @@ BAR_LABELS_SCRIPT = """() => {
     return {text: label.textContent, angle: turned ? Number(turned[1]) : 0,
             inside: text.left >= bar.left - 1 && text.right <= bar.right + 1 && text.top >= bar.top - 1
                     && text.bottom <= bar.bottom + 1,
-            covered: dark.some(band => overlaps(text, band))};
+            covered: bands.some(band => overlaps(text, band))};
   });
 }"""
 """Every bar's label the page draws (Plotly hides one that does not fit with ``display: none``): its text, the
-angle it is turned by, whether it lies within its bar, and whether a critical-path band is drawn over it."""
+angle it is turned by, whether it lies within its bar, and whether a thin band runs across it (the critical
+path's, or the whole request's behind the router's lane)."""
 
 
 def _bar_labels(page) -> list[dict]:
