@@ -406,8 +406,10 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "type": "bar", "orientation": "h", "name": category, "width": across,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
-                "marker": {"color": CATEGORY_COLORS[category], "line": {"color": "white", "width": 1},
-                           "opacity": [_on_path(s) for s in members]},
+                # faded in its colour's alpha, not with marker.opacity: Plotly picks a name's colour (white or
+                # dark grey) by the colour it is given, and would write white on a pale, faded bar
+                "marker": {"color": [_faded(CATEGORY_COLORS[category], _on_path(s)) for s in members],
+                           "line": {"color": "white", "width": 1}},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
                 "textangle": 0,  # level, never turned on its side: a name too long for its bar is hidden (below)
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
@@ -441,6 +443,12 @@ def _on_path(stage: dict) -> float:
     duration = stage["duration_ms"]
     share = min(1.0, stage["critical_ms"] / duration) if duration > 0 else 1.0
     return round(0.3 + 0.7 * share, 3)
+
+
+def _faded(color: str, alpha: float) -> str:
+    """``#RRGGBB`` at ``alpha`` as ``rgba()``."""
+    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red}, {green}, {blue}, {alpha})"
 
 
 def _lane(stage: dict) -> str:

@@ -464,8 +464,8 @@ def test_the_waterfall_fades_what_is_off_the_critical_path(monkeypatch, stores):
     built = stores["mixed_traces"][0]  # push, registration_first
     at = _app(monkeypatch, stores["mixed"], "trace", trace_id=built.trace_id)
     waterfall = _figures(at)[0]
-    opacity = {name: o for trace in waterfall["data"] if trace.get("text")
-               for name, o in zip(trace["text"], trace["marker"]["opacity"])}
+    opacity = {name: float(color.rsplit(",", 1)[1].rstrip(")")) for trace in waterfall["data"] if trace.get("text")
+               for name, color in zip(trace["text"], trace["marker"]["color"])}  # each bar's rgba() alpha
     assert opacity["prefill"] == 1.0
     assert opacity["decode_leg"] < 0.4 and opacity["prefill_leg"] == 0.3  # 1 of ~170 ms; none on the path
 

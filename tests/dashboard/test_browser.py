@@ -253,8 +253,9 @@ def test_trace_page_deep_link_and_apm_link(live, page):
     assert f"trace_id={trace_id}" in page.url
     labels = _bar_labels(page)
     assert any(label["text"] == "prefill" for label in labels), labels  # a wide bar keeps its name
-    unreadable = [label for label in labels if label["angle"] or not label["inside"] or label["covered"]]
-    assert not unreadable, f"stage names turned, cut or covered on their bars: {unreadable}"
+    unreadable = [label for label in labels if label["angle"] or not label["inside"] or label["covered"]
+                  or label["contrast"] < MIN_LABEL_CONTRAST]
+    assert not unreadable, f"stage names turned, cut, covered or faint on their bars: {unreadable}"
     link = page.get_by_role("link", name="Open in your APM")
     assert link.get_attribute("href") == f"http://127.0.0.1:16686/trace/{trace_id}"
     assert not page.outside, page.outside
@@ -262,6 +263,14 @@ def test_trace_page_deep_link_and_apm_link(live, page):
 
 BAR_LABELS_SCRIPT = """() => {
   const overlaps = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const rgb = color => color.match(/[0-9.]+/g).slice(0, 3).map(Number);
+  const luminance = ([r, g, b]) => [r, g, b].map(c => c / 255)
+    .map(c => c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+  const contrast = (a, b) => (Math.max(luminance(a), luminance(b)) + 0.05) / (Math.min(luminance(a), luminance(b)) + 0.05);
+  const drawn = path => {  // the bar's colour as seen: its fill, faded by its opacities, over the white plot
+    const style = getComputedStyle(path), alpha = Number(style.opacity) * Number(style.fillOpacity);
+    return rgb(style.fill).map(c => alpha * c + (1 - alpha) * 255);
+  };
   const bands = [...document.querySelectorAll('g.point path')]  // the critical path's (#111111) and the request's (#6B6B6B)
     .filter(path => ['rgb(17, 17, 17)', 'rgb(107, 107, 107)'].includes(getComputedStyle(path).fill))
     .map(path => path.getBoundingClientRect());
@@ -274,12 +283,16 @@ BAR_LABELS_SCRIPT = """() => {
     return {text: label.textContent, angle: turned ? Number(turned[1]) : 0,
             inside: text.left >= bar.left - 1 && text.right <= bar.right + 1 && text.top >= bar.top - 1
                     && text.bottom <= bar.bottom + 1,
-            covered: bands.some(band => overlaps(text, band))};
+            covered: bands.some(band => overlaps(text, band)),
+            contrast: Math.round(100 * contrast(rgb(getComputedStyle(label).fill), drawn(point.querySelector('path')))) / 100};
   });
 }"""
 """Every bar's label the page draws (Plotly hides one that does not fit with ``display: none``): its text, the
-angle it is turned by, whether it lies within its bar, and whether a thin band runs across it (the critical
-path's, or the whole request's behind the router's lane)."""
+angle it is turned by, whether it lies within its bar, whether a thin band runs across it (the critical
+path's, or the whole request's behind the router's lane), and the WCAG contrast ratio of its colour against
+the bar's as drawn (a bar off the critical path is faded)."""
+MIN_LABEL_CONTRAST = 3.0
+"""WCAG's least contrast for large text and for the parts of a chart that must be seen (AA)."""
 
 
 def _bar_labels(page) -> list[dict]:
