@@ -38,6 +38,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -148,6 +149,11 @@ def server_side(db: str, rounds: int) -> dict[str, dict[str, list[float]]]:
             spent[0] += time.perf_counter() - t
 
     reader_module.StoreReader.sql = timed
+    # st.cache_data.clear() from this thread, outside any script run, logs two warnings a call (no script run
+    # context, no runtime) and clears the caches all the same: hundreds of lines that hid the figures. A filter,
+    # not a level: Streamlit sets its loggers' levels again when a script run reads its config.
+    for name in ("streamlit.runtime.scriptrunner_utils.script_run_context", "streamlit.runtime.caching.cache_data_api"):
+        logging.getLogger(name).addFilter(lambda record: record.levelno > logging.WARNING)
     results: dict[str, dict[str, list[float]]] = {p: {k: [] for k in ("paint", "paint_q", "refilter", "refilter_q")}
                                                   for p in PAGES}
     warm = AppTest.from_file(str(APP), default_timeout=300)
