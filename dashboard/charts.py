@@ -89,7 +89,7 @@ def stacked_parts(rows: Sequence[dict], label: str = "mode", *, share_labels: bo
                                   f"ms TTFT, %{{customdata[3]:.1f}} % (%{{customdata[2]}} requests)<extra></extra>"}
         if share_labels:
             trace.update(text=[f"{s:.0f} %" for s in shares], textposition="inside", insidetextanchor="middle",
-                         textangle=0)
+                         textangle=0, insidetextfont={"color": name_color(CATEGORY_COLORS[part])})
         data.append(trace)
     layout = {"uniformtext": {"minsize": 10, "mode": "hide"}} if share_labels else {}  # a label that does not fit: none
     return _figure(data, x=_axis("mean time (ms)"), y=_axis(None, autorange="reversed"), height=120 + 45 * len(rows),
@@ -406,11 +406,11 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "type": "bar", "orientation": "h", "name": category, "width": across,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
-                # faded in its colour's alpha, not with marker.opacity: Plotly picks a name's colour (white or
-                # dark grey) by the colour it is given, and would write white on a pale, faded bar
+                # faded in its colour's alpha (not marker.opacity, which the names' colour would not see)
                 "marker": {"color": [_faded(CATEGORY_COLORS[category], _on_path(s)) for s in members],
                            "line": {"color": "white", "width": 1}},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
+                "insidetextfont": {"color": [name_color(CATEGORY_COLORS[category], _on_path(s)) for s in members]},
                 "textangle": 0,  # level, never turned on its side: a name too long for its bar is hidden (below)
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
                                 s.get("hover", "")] for s in members],
@@ -447,8 +447,26 @@ def _on_path(stage: dict) -> float:
 
 def _faded(color: str, alpha: float) -> str:
     """``#RRGGBB`` at ``alpha`` as ``rgba()``."""
-    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    red, green, blue = _rgb(color)
     return f"rgba({red}, {green}, {blue}, {alpha})"
+
+
+def _rgb(color: str) -> tuple[int, int, int]:
+    return int(color[1:3], 16), int(color[3:5], 16), int(color[5:7], 16)
+
+
+def _luminance(rgb: Sequence[float]) -> float:
+    """WCAG's relative luminance of an sRGB colour (0-255 channels)."""
+    linear = [c / 255 / 12.92 if c / 255 <= 0.03928 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def name_color(color: str, alpha: float = 1.0) -> str:
+    """White or black, whichever contrasts more with ``color`` (``#RRGGBB``) drawn at ``alpha`` over the white
+    plot: a name written inside a bar. Plotly's own choice ignores a marker's opacity and puts white on mid
+    tones (the parts' green and red) at a contrast of ~3; this one is never under WCAG's 4.5 for text."""
+    luminance = _luminance([alpha * c + (1 - alpha) * 255 for c in _rgb(color)])
+    return "#FFFFFF" if 1.05 / (luminance + 0.05) >= (luminance + 0.05) / 0.05 else "#000000"
 
 
 def _lane(stage: dict) -> str:

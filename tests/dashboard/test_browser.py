@@ -291,12 +291,22 @@ BAR_LABELS_SCRIPT = """() => {
 angle it is turned by, whether it lies within its bar, whether a thin band runs across it (the critical
 path's, or the whole request's behind the router's lane), and the WCAG contrast ratio of its colour against
 the bar's as drawn (a bar off the critical path is faded)."""
-MIN_LABEL_CONTRAST = 3.0
-"""WCAG's least contrast for large text and for the parts of a chart that must be seen (AA)."""
+MIN_LABEL_CONTRAST = 4.5
+"""WCAG's least contrast for text (AA)."""
 
 
 def _bar_labels(page) -> list[dict]:
     return page.evaluate(BAR_LABELS_SCRIPT)
+
+
+def test_the_overviews_share_labels_are_legible_on_their_parts(live, page):
+    page.goto(f"{live['ui']}/overview")
+    page.wait_for_selector("text.bartext", timeout=60_000)
+    labels = _bar_labels(page)
+    assert any(label["text"].endswith(" %") for label in labels), labels
+    faint = [label for label in labels if label["contrast"] < MIN_LABEL_CONTRAST]
+    assert not faint, f"share labels faint on their bars: {faint}"
+    assert not page.outside, page.outside
 
 
 def test_trace_picker_opens_from_its_popover_and_shows_the_trace_picked(live, page):

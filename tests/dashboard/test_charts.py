@@ -31,3 +31,33 @@ def test_a_stage_share_bar_carries_its_stages_row_in_its_hover_estimates_to_two_
     (estimated,) = charts.stage_shares([row], exact=False).data
     assert "p50 %{customdata[0]:,.2r} ms, p99 %{customdata[1]:,.2r} ms" in estimated.hovertemplate  # 150, 1,200
 
+
+
+def _contrast(a: str, b: tuple[float, float, float]) -> float:
+    """WCAG's contrast ratio of text colour ``a`` (#RRGGBB) on the colour ``b`` (0-255 channels)."""
+    lighter, darker = sorted((charts._luminance(charts._rgb(a)), charts._luminance(b)), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
+def test_a_name_inside_a_bar_contrasts_with_the_bar_as_drawn_faded_or_not():
+    """On every part's colour, at every opacity a waterfall draws (0.3 to 1), the name's colour reaches WCAG's 4.5
+    for text against the bar blended over the white plot; Plotly's own choice put white on the parts' green
+    (3.2) and on faded bars (1.45)."""
+    for part, color in charts.CATEGORY_COLORS.items():
+        for alpha in [0.3 + i * 0.05 for i in range(15)]:
+            drawn = tuple(alpha * c + (1 - alpha) * 255 for c in charts._rgb(color))
+            assert _contrast(charts.name_color(color, alpha), drawn) >= 4.5, (part, alpha)
+    assert charts.name_color(charts.CATEGORY_COLORS["compute"]) == "#FFFFFF"  # the darkest part: white
+    assert charts.name_color(charts.CATEGORY_COLORS["coordination"], 0.3) == "#000000"  # pale: black
+
+
+def test_the_parts_and_the_waterfall_write_their_names_in_those_colours():
+    rows = [{"mode": "push", "ttft_ms": 100.0, "compute_ms": 50.0, "queue_ms": 10.0, "coordination_ms": 20.0,
+             "wire_ms": 15.0, "unattributed_ms": 5.0, "requests": 3}]
+    parts = charts.stacked_parts(rows, share_labels=True)
+    assert {t.name: t.insidetextfont.color for t in parts.data} == {
+        part: charts.name_color(color) for part, color in charts.CATEGORY_COLORS.items() if part != "root"}
+    stages = [{"side": "decode", "stage": "decode_leg", "category": "coordination", "start_ms": 0.0, "end_ms": 100.0,
+               "duration_ms": 100.0, "critical_ms": 0.0}]
+    leg = charts.waterfall(stages, 100.0).data[0]
+    assert list(leg.insidetextfont.color) == [charts.name_color(charts.CATEGORY_COLORS["coordination"], 0.3)]
