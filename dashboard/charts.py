@@ -406,7 +406,7 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
                 "type": "bar", "orientation": "h", "name": category, "width": across,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
-                # faded in its colour's alpha (not marker.opacity, which the names' colour would not see)
+                # faded in its colour's alpha, from which name_color works out the names' colour too
                 "marker": {"color": [_faded(CATEGORY_COLORS[category], _on_path(s)) for s in members],
                            "line": {"color": "white", "width": 1}},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
