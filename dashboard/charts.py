@@ -402,15 +402,16 @@ def waterfall(stages: Sequence[dict], ttft_ms: float, reference: str = "router")
     for category in PARTS:
         members = [s for s in stages if s["category"] == category]
         if members:
+            alphas = [_on_path(s) for s in members]
             data.append({
                 "type": "bar", "orientation": "h", "name": category, "width": across,
                 "y": [_lane(s) for s in members],
                 "x": [max(s["duration_ms"], 0.02) for s in members], "base": [s["start_ms"] for s in members],
                 # faded in its colour's alpha, from which name_color works out the names' colour too
-                "marker": {"color": [_faded(CATEGORY_COLORS[category], _on_path(s)) for s in members],
+                "marker": {"color": [_faded(CATEGORY_COLORS[category], alpha) for alpha in alphas],
                            "line": {"color": "white", "width": 1}},
                 "text": [s["stage"] for s in members], "textposition": "inside", "insidetextanchor": "start",
-                "insidetextfont": {"color": [name_color(CATEGORY_COLORS[category], _on_path(s)) for s in members]},
+                "insidetextfont": {"color": [name_color(CATEGORY_COLORS[category], alpha) for alpha in alphas]},
                 "textangle": 0,  # level, never turned on its side: a name too long for its bar is hidden (below)
                 "customdata": [[s["stage"], s["start_ms"], s["end_ms"], s["duration_ms"], s["critical_ms"],
                                 s.get("hover", "")] for s in members],

@@ -264,7 +264,7 @@ def test_trace_page_deep_link_and_apm_link(live, page):
 BAR_LABELS_SCRIPT = """() => {
   const overlaps = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
   const rgb = color => color.match(/[0-9.]+/g).slice(0, 3).map(Number);
-  const luminance = ([r, g, b]) => [r, g, b].map(c => c / 255)
+  const luminance = channels => channels.map(c => c / 255)
     .map(c => c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
   const contrast = (a, b) => (Math.max(luminance(a), luminance(b)) + 0.05) / (Math.min(luminance(a), luminance(b)) + 0.05);
   const drawn = path => {  // the bar's colour as seen: its fill, faded by its opacities, over the white plot
