@@ -32,7 +32,6 @@ def test_a_stage_share_bar_carries_its_stages_row_in_its_hover_estimates_to_two_
     assert "p50 %{customdata[0]:,.2r} ms, p99 %{customdata[1]:,.2r} ms" in estimated.hovertemplate  # 150, 1,200
 
 
-
 def _contrast(a: str, b: tuple[float, float, float]) -> float:
     """WCAG's contrast ratio of text colour ``a`` (#RRGGBB) on the colour ``b`` (0-255 channels)."""
     lighter, darker = sorted((charts._luminance(charts._rgb(a)), charts._luminance(b)), reverse=True)
