@@ -16,7 +16,6 @@ Per request, by role:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +108,7 @@ class SchedulerTracing:
         self._unsent[request.request_id] = ref.traceparent
         arrived = _received_ns(request)
         if arrived:
-            # Its age now, on the wall clock, back onto the recorder's monotonic clock: exact
-            # whatever the wall clock did since this process started.
-            start = now - (time.time_ns() - arrived)
+            start = self._rec.from_wall_ns(arrived)
             self._rec.record(ref, Stage.P_INPUT if self._producer else Stage.D_INPUT, min(start, now), now, attrs)
 
     def before_alloc(self, request: Any, num_external_tokens: int) -> bool:

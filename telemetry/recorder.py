@@ -204,6 +204,13 @@ class Recorder:
             wall += self._shift_ns + int((monotonic_ns - self._mono0) * self._drift_ppm * 1e-6)
         return wall
 
+    def from_wall_ns(self, wall_ns: int) -> int:
+        """A wall-clock instant (another process's stamp on this host) on :attr:`now`'s clock: the inverse
+        of :meth:`to_wall_ns` without its test shift, so the span exports that very instant. One read of
+        no clock: taking the instant's age instead (``now() - (time.time_ns() - wall_ns)``) moves it
+        earlier by any wait between the two reads, such as another thread holding the GIL."""
+        return wall_ns - self._offset_ns
+
     def wall_ns(self) -> int:
         """This process's exported clock now."""
         return self.to_wall_ns(time.perf_counter_ns())
@@ -369,6 +376,9 @@ class NoOpRecorder:
 
     def to_wall_ns(self, monotonic_ns: int) -> int:
         return monotonic_ns + wall_clock_offset_ns()
+
+    def from_wall_ns(self, wall_ns: int) -> int:
+        return wall_ns - wall_clock_offset_ns()
 
     def stats(self) -> RecorderStats:
         return RecorderStats(0, 0, 0, 0)

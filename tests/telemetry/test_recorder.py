@@ -249,3 +249,4 @@ def test_a_stepped_system_clock_is_followed_and_a_steady_one_left_alone(make_rec
     assert rec._offset_ns == base + 25_000_000
     now = rec.now()
     assert rec.to_wall_ns(now) == now + base + 25_000_000
+    assert rec.from_wall_ns(rec.to_wall_ns(now)) == now  # another process's wall stamp, onto the stepped clock
