@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -49,9 +50,13 @@ def main() -> int:
                         help="forwarding on (tee and breakdown spans), as collector_ingest.py --forward runs it")
     parser.add_argument("--clocks", action="store_true",
                         help="every sender's clock measured (clock exchanges before the load), as deployed")
+    parser.add_argument("--db", help="a store to ingest into (copied first, left unchanged): the cost per span into a "
+                                     "store that already holds many requests, as a long-running collector's does")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="the load's trace ids (default 1; with --db, one that did not fill that store)")
     args = parser.parse_args()
     load_start = time.time_ns() - 3_600 * 10**9
-    load = make_load(args.traces, args.batch, start_ns=load_start)
+    load = make_load(args.traces, args.batch, seed=args.seed, start_ns=load_start)
     spans = args.traces * len(STAGES)
     costs: dict[str, float] = {}
 
@@ -60,9 +65,13 @@ def main() -> int:
         costs[stage] = costs.get(stage, 0.0) + now - since
         return now
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.db)) if args.db else None) as tmp:
+        db_path = os.path.join(tmp, "stages.duckdb")
+        if args.db:
+            shutil.copyfile(args.db, db_path)
+        before = _count(db_path, "spans"), _count(db_path, "requests")
         # A forwarder whose upstream's thread never starts: what it queues is encoded, never sent.
-        collector = Collector(CollectorConfig(db_path=os.path.join(tmp, "stages.duckdb"), grpc_port=0,
+        collector = Collector(CollectorConfig(db_path=db_path, grpc_port=0,
                                               http_port=None, decision_wait_s=0.0,
                                               forward=["grpc://127.0.0.1:9"] if args.forward else []))
         forwarder = collector.forwarder
@@ -123,24 +132,37 @@ def main() -> int:
         gc.callbacks.remove(on_gc)
         collector.store.query("CHECKPOINT")
         charge("checkpoint at the end", t)
-        stored = collector.store.query("SELECT count(*) FROM spans")[0][0] - 200 * len(STAGES)
-        attributed = collector.store.query("SELECT count(*) FROM requests")[0][0]
+        stored = collector.store.query("SELECT count(*) FROM spans")[0][0] - 200 * len(STAGES) - before[0]
+        attributed = collector.store.query("SELECT count(*) FROM requests")[0][0] - before[1]
         measured, suspect = collector.store.query("SELECT count(*) FILTER (WHERE cardinality(clock_bounds) > 1), "
                                                   "count(*) FILTER (WHERE clock_suspect) FROM requests")[0]
         collector.store.shutdown()
         collector.wal.close()
 
     total = sum(costs.values())
-    print(f"{spans:,} spans ({stored:,} stored, {attributed:,} traces attributed), one thread, CPU time per span:")
+    into = f" into a store of {before[1]:,} requests ({before[0]:,} spans)" if args.db else ""
+    print(f"{spans:,} spans ({stored:,} stored, {attributed:,} traces attributed){into}, one thread, CPU time per span:")
     as_python = running_as_python()
     print(f"  (per-trace modules {'running as Python: ' + ', '.join(as_python) if as_python else 'compiled'}; "
           f"clocks {'measured' if args.clocks else 'inferred from span order'}: {measured:,} traces on measured "
           f"offsets, {suspect:,} flagged clock_suspect)")
+    if attributed < args.traces:
+        print(f"  !! {args.traces - attributed:,} of the load's trace ids were already stored: each flush holding one "
+              f"was retried (OR IGNORE); pick another --seed")
     for stage, seconds in costs.items():
         print(f"  {stage:<33}{seconds / spans * 1e6:>7.2f} µs  {seconds / total:>6.1%}")
     print(f"  {'total':<33}{total / spans * 1e6:>7.2f} µs  -> {spans / total:,.0f} spans per CPU-second")
     print(f"  {'(in the above: the cyclic GC)':<33}{collecting[0] / spans * 1e6:>7.2f} µs  {collecting[0] / total:>6.1%}")
     return 0
+
+
+def _count(db_path: str, table: str) -> int:
+    """Rows in one of a store's tables; 0 with no store there yet."""
+    if not os.path.exists(db_path):
+        return 0
+    import duckdb
+    with duckdb.connect(db_path, read_only=True) as con:
+        return con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
 
 
 if __name__ == "__main__":
