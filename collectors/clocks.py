@@ -365,7 +365,7 @@ class ClockAligner:
     recent traces (:class:`OffsetEstimator`, kept per (router, instance): two routers' clocks
     are two references). The causal pairs check the measured offsets too, each span on its own
     process's offset: a trace whose span order they contradict by more than the two processes'
-    bounds is flagged ``clock_suspect`` (:func:`_contradicted`).
+    bounds is flagged ``clock_suspect`` (:func:`contradiction`).
 
     Causal pairs: P's API server got the request after the router routed it; P's prefill ended
     before the router had P's answer; D got its leg after the router sent it (push: after the
@@ -401,7 +401,7 @@ class ClockAligner:
                     offsets[instance], bounds[instance] = measured
                 else:
                     offsets[instance] = by_host.get(span.origin.host, side_offset.get(span.origin.side, 0))
-        return offsets, bounds, len(bounds) > 1 and _contradicted(index, root, mode, offsets, bounds)
+        return offsets, bounds, len(bounds) > 1 and contradiction(index, root, mode, offsets, bounds) is not None
 
     def _align_sides(self, index: dict[tuple[str, str], Any], root: Any, mode: str, p_any: Any, d_any: Any
                      ) -> tuple[dict[str, int], dict[str, int]]:
@@ -521,7 +521,7 @@ def _tighten_with_prefill(index, p_offset: int, lower, upper):
     (lower, upper) tightened by those pairs, through P's offset. D's registration span ends once
     PUSH_REG's send has returned, and P can have it before then (0.6 ms before, in a real pair on
     loopback): as an estimate's bound that is close enough, and tighter than its start; the check on
-    measured offsets (:func:`_contradicted`) takes its start."""
+    measured offsets (:func:`contradiction`) takes its start."""
     get = index.get
     d_reg, p_reg = get(D_REGISTRATION), get(P_REGISTRATION)
     if d_reg is not None and p_reg is not None:
@@ -532,11 +532,12 @@ def _tighten_with_prefill(index, p_offset: int, lower, upper):
     return lower, upper
 
 
-def _contradicted(index, root: Any, mode: str, offsets: dict[str, int], bounds: dict[str, int]) -> bool:
-    """Whether the measured offsets put a later moment of the trace before an earlier one by more than
-    both processes' bounds. Each moment is moved by its own process's offset: a side's processes (engine
-    core, TP workers) may each run on a clock of their own. Only pairs that are strictly causal (a message
-    sent before it was received), and only between measured processes (the others check nothing)."""
+def contradiction(index, root: Any, mode: str, offsets: dict[str, int], bounds: dict[str, int]) -> str | None:
+    """The first strictly causal pair of the trace's moments that the measured offsets put the wrong way round by
+    more than both processes' bounds, named ("earlier -> later"); None where there is none. Each moment is moved
+    by its own process's offset: a side's processes (engine core, TP workers) may each run on a clock of their
+    own. Only pairs that are strictly causal (a message sent before it was received), and only between measured
+    processes (the others check nothing)."""
 
     def reversed_(earlier: int, earlier_span: Any, later: int, later_span: Any) -> bool:
         a, b = earlier_span.origin.instance, later_span.origin.instance
@@ -549,24 +550,28 @@ def _contradicted(index, root: Any, mode: str, offsets: dict[str, int], bounds: 
     prefill, token = get(P_PREFILL), get(FIRST_TOKEN)
     if root is not None:  # every router moment is on the router's clock: its root span stands for them all
         route_end, answered, token_seen = _router_moments(index, root)
-        # P had the request after the router routed it; P's prefill ended before the router had P's answer
         if p_first is not None and reversed_(route_end, root, p_first.start, p_first):
-            return True
+            return "router sent P's leg -> P had it"
         if prefill is not None and reversed_(prefill.end, prefill, answered, root):
-            return True
+            return "P's prefill ended -> router had P's answer"
         if d_first is not None:  # D had its leg after the router sent it: the leg's start (without that span,
             # the relay's end in pull, the route's in push, whose two legs leave together)
             d_leg, relay = get(DECODE_LEG), get(R_REGISTRATION)
             sent = d_leg.start if d_leg is not None else relay.end if mode == "pull" and relay is not None else route_end
             if reversed_(sent, root, d_first.start, d_first):
-                return True
-        if token is not None and reversed_(token.end, token, token_seen, root):  # D's first token, then the router's
-            return True
-    if mode == "push":  # D's registration left before P received it; P posted the WRITE before D saw it land
+                return "router sent D's leg -> D had it"
+        if token is not None and reversed_(token.end, token, token_seen, root):
+            return "D's first token -> router had it"
+    if mode == "push":
         d_reg, p_reg, write, d_done = get(D_REGISTRATION), get(P_REGISTRATION), get(WRITE), get(D_COMPLETION)
-        return (d_reg is not None and p_reg is not None and reversed_(d_reg.start, d_reg, p_reg.start, p_reg)) or \
-            (write is not None and d_done is not None and reversed_(write.start, write, d_done.start, d_done))
-    # pull: D had its leg after P's answer; D posted its READ before P saw the READ's notification
+        if d_reg is not None and p_reg is not None and reversed_(d_reg.start, d_reg, p_reg.start, p_reg):
+            return "D sent its registration -> P had it"
+        if write is not None and d_done is not None and reversed_(write.start, write, d_done.start, d_done):
+            return "P posted the WRITE -> D saw it land"
+        return None
     read, released = get(READ), get(P_COMPLETION)
-    return (prefill is not None and d_first is not None and reversed_(prefill.end, prefill, d_first.start, d_first)) or \
-        (read is not None and released is not None and reversed_(read.start, read, released.start, released))
+    if prefill is not None and d_first is not None and reversed_(prefill.end, prefill, d_first.start, d_first):
+        return "P's prefill ended -> D had its leg"
+    if read is not None and released is not None and reversed_(read.start, read, released.start, released):
+        return "D posted the READ -> P saw its notification"
+    return None

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from kvtrace.collectors.attribution import Attributor
-from kvtrace.collectors.clocks import ClockBook, fit, Sample
+from kvtrace.collectors.attribution import Attributor, index_spans
+from kvtrace.collectors.breakdown import ROOT
+from kvtrace.collectors.clocks import ClockBook, Sample, contradiction, fit
 from kvtrace.telemetry import Role, TelemetryConfig, configure
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ENV, parse_clock_shift
 from tests.collectors.traces import BASE_NS, MS, build
@@ -172,6 +173,12 @@ def test_a_measurement_the_span_order_contradicts_is_flagged():
     built = build("push")  # ... but its spans are on true time
     breakdown = Attributor(book).attribute(built.trace_id, built.rows())
     assert breakdown.clock_suspect
+    # named by the first pair it reverses: D's moments land 80 ms early, before the router sent D its leg
+    index = index_spans(built.rows())[0]
+    assert contradiction(index, index.get(ROOT), "push", breakdown.offsets_ns, breakdown.clock_bounds_ns) == \
+        "router sent D's leg -> D had it"
+    assert contradiction(index, index.get(ROOT), "push", {i: 0 for i in breakdown.offsets_ns},
+                         {i: 0 for i in breakdown.offsets_ns}) is None  # on its true clocks, no pair reversed
 
 
 def _on_a_worker(rows, side: str, stages: set[str], skew_ms: float):

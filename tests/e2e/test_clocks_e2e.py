@@ -26,8 +26,9 @@ from urllib.parse import urlparse
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvtrace.collectors.attribution import Attributor
-from kvtrace.collectors.clocks import ClockBook
+from kvtrace.collectors.attribution import Attributor, index_spans
+from kvtrace.collectors.breakdown import ROOT
+from kvtrace.collectors.clocks import ClockBook, contradiction
 from kvtrace.collectors.model import SpanBatch, rebuild_request
 from kvtrace.collectors.read import PART_COLUMNS, PARTS, Filters, open_store
 from kvtrace.telemetry.clock import TEST_CLOCK_SHIFT_ATTRIBUTE, unshift
@@ -149,6 +150,18 @@ def _true_breakdown(reader, trace_id: str):
     return Attributor(book).attribute(trace_id, rows), request
 
 
+def _contradictions(reader, trace_id: str, mode: str, offsets: dict, bounds: dict, unshifted) -> dict:
+    """Which causal pair a flagged trace reverses: as stored, on the applied offsets and bounds, and on true
+    clocks (every offset and bound 0), where a pair reversed is one that is not strictly causal."""
+    mode = mode.partition("-")[0]
+    stored = SpanBatch.of(ExportTraceServiceRequest.FromString(rebuild_request(reader.source.trace_spans(trace_id))))
+    index = index_spans(stored.rows)[0]
+    true_index = index_spans(SpanBatch.of(unshifted).rows)[0]
+    zeros = {instance: 0 for instance in offsets}
+    return {"as stored": contradiction(index, index.get(ROOT), mode, offsets, bounds),
+            "on true clocks": contradiction(true_index, true_index.get(ROOT), mode, zeros, zeros)}
+
+
 def _exported(true_ns: int, shift: str | None) -> int:
     if not shift:
         return true_ns
@@ -188,7 +201,9 @@ def test_each_request_splits_the_same_as_on_true_clocks(shifted):
                                                                              true_offset, bounds[instance])
         # checked last: every offset within its bound, a flag here is the check's (a pair not strictly causal)
         assert not row["clock_suspect"], (shifted["mode"], row["trace_id"], "flagged with every offset within its "
-                                          "bound of the true one", offsets, bounds)
+                                          "bound of the true one", offsets, bounds,
+                                          _contradictions(reader, row["trace_id"], shifted["mode"], offsets, bounds,
+                                                          request))
     bounds = sorted(b for r in rows for _, b in r["clock_bounds"] if b)
     errors.sort()
     print(f"\n{shifted['mode']}: offset errors (ms) p50 {errors[len(errors) // 2][0] / MS:.3f}, max "
